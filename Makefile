@@ -1,0 +1,16 @@
+# Quick start: `make demo` then `make test`. Both set up .venv first if needed.
+PY := .venv/bin/python
+
+.PHONY: setup demo test clean
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	@$(PY) scripts/make_demo_corpus.py out/demo-corpus
+	.venv/bin/batchembed run jobs/quickstart.yaml
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf out .pytest_cache

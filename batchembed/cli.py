@@ -1,0 +1,151 @@
+"""`batchembed`: the command line. Commands are thin; the work lives in runner.py.
+
+Exit codes: 0 done; 1 the run failed; 2 the job or the command line is invalid
+(nothing was started).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import click
+
+from . import __version__
+from .errors import BatchembedError, JobError
+
+log = logging.getLogger("batchembed")
+
+_set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                           help="Override a job key, e.g. --set embedding.dimensions=[256,64]. Repeatable.")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BatchembedError as e:
+            click.echo(f"batchembed: error: {e}", err=True)
+            ctx.exit(e.exit_code)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
+    # Set through the environment so the engine's child processes obey it too.
+    if level.upper() != "DEBUG":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="batchembed")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def cli(log_level: str) -> None:
+    """Embed large Parquet corpora in batch with vLLM.
+
+    \b
+      batchembed run jobs/quickstart.yaml
+      batchembed run my.yaml --set output.uri=out/emb/
+      batchembed validate my.yaml
+      batchembed plan my.yaml
+    """
+    _setup_logging(log_level)
+
+
+def _load(job_file: str, overrides):
+    from .config import load_job
+
+    return load_job(job_file, overrides)
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--overwrite", is_flag=True, help="Replace an output made by a different job instead of refusing.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs and the final summary still print).")
+def run(job_file, overrides, overwrite, no_progress):
+    """Embed the corpus a job file describes; resumes what is already committed.
+
+    \b
+    Prints a one-line summary on stderr and the same figures as one JSON line
+    on stdout (rows, tokens, truncated, nulls, seconds, tokens_per_s).
+    \b
+      batchembed run jobs/quickstart.yaml
+      batchembed run job.yaml --set embedding.dimensions=[256,64] --set output.uri=out/
+    """
+    from .runner import run_job
+
+    spec = _load(job_file, overrides)
+    stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
+    s = stats.summary()
+    click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, {s['nulls']:,} null, "
+               f"{s['truncated']:,} truncated), {s['tokens']:,} tokens in {s['seconds']:.1f} s "
+               f"({s['tokens_per_s']:,.0f} tok/s); {s['tasks_run']} parts written, "
+               f"{s['tasks_skipped']} already done -> {spec.output.uri}", err=True)
+    click.echo(json.dumps(s))
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+def validate(job_file, overrides):
+    """Check a job without loading the engine: schema, model, dimensions, input files and columns.
+
+    \b
+      batchembed validate jobs/quickstart.yaml
+    """
+    from .runner import prepare
+
+    p = prepare(_load(job_file, overrides))
+    click.echo(f"ok: {p.spec.name}: model {p.model.path} (dim {p.model.dimension}, max_length {p.max_length}), "
+               f"{len(p.files)} files, {sum(f.num_rows for f in p.files):,} rows, {len(p.tasks)} parts")
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(job_file, overrides, as_json):
+    """Show files, rows, parts and what is already done, without loading the engine.
+
+    \b
+      batchembed plan jobs/quickstart.yaml
+    """
+    from .runner import output_state, prepare
+
+    p = prepare(_load(job_file, overrides))
+    try:
+        state = output_state(p)
+        refused = None
+    except JobError as e:
+        state, refused = None, str(e)
+    done = set(state.done) if state else set()
+    info = {
+        "name": p.spec.name,
+        "files": len(p.files),
+        "rows": sum(f.num_rows for f in p.files),
+        "parts": len(p.tasks),
+        "parts_done": len(done),
+        "rows_pending": sum(t.num_rows for t in p.tasks if t.index not in done),
+        "complete": bool(state and state.complete),
+        "output": p.spec.output.uri,
+    }
+    if refused:
+        info["refused"] = refused
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for k, v in info.items():
+        click.echo(f"{k:>13}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>13}: {v}")
+
+
+def main() -> None:
+    cli(prog_name="batchembed")
+
+
+if __name__ == "__main__":
+    main()

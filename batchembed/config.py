@@ -1,0 +1,197 @@
+"""The job file: YAML in, one validated `JobSpec` out, or a `JobError` naming every bad key.
+
+Validation happens here, once, at the edge. `${VAR}` and `${VAR:-default}` are
+filled from the environment after parsing, so secrets never live in the file;
+`--set a.b=value` overrides are applied before validation, so an override is
+checked exactly like the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import JobError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputSpec(_Strict):
+    uri: str = Field(description="fsspec URL of a Parquet file, a directory or a glob")
+    text_column: str = "text"
+    id_column: str | None = None
+    carry_columns: list[str] = []
+    storage_options: dict[str, Any] = {}
+
+
+class ModelSpec(_Strict):
+    name: str = Field(description="local dir | Hugging Face id in the local cache | package:<python package>")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_length: int | None = Field(None, ge=2, description="tokens; default: the model's limit")
+    prefix: str = ""
+
+
+class EmbeddingSpec(_Strict):
+    dimensions: list[int] | None = None
+    output_dtype: Literal["float32", "float16"] = "float32"
+
+    @field_validator("dimensions", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        return [v] if isinstance(v, int) else v
+
+    @field_validator("dimensions")
+    @classmethod
+    def _valid_dims(cls, v):
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must list at least one dimension")
+        bad = [d for d in v if d < 1]
+        if bad:
+            raise ValueError(f"dimension {bad[0]} is < 1")
+        if len(set(v)) != len(v):
+            raise ValueError(f"dimensions repeat: {v}")
+        return v
+
+
+class OutputSpec(_Strict):
+    uri: str = Field(description="fsspec directory for the parts, manifest.json and _SUCCESS")
+    storage_options: dict[str, Any] = {}
+    rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")
+    compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = "zstd"
+
+
+class EngineSpec(_Strict):
+    token_budget: int = Field(16384, ge=16, description="most tokens in one engine call")
+    max_batch_rows: int = Field(1024, ge=1, description="most rows in one engine call")
+    sort_window_rows: int = Field(8192, ge=1, description="rows read, tokenised and length-sorted together")
+    enforce_eager: bool = True
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
+
+
+class JobSpec(_Strict):
+    name: str
+    input: InputSpec
+    model: ModelSpec
+    embedding: EmbeddingSpec = EmbeddingSpec()
+    output: OutputSpec
+    engine: EngineSpec = EngineSpec()
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _key_lines(node: yaml.Node, path: tuple = ()) -> dict[tuple, int]:
+    """Map each key path in a composed YAML tree to its 1-based line."""
+    lines: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            p = path + (key_node.value,)
+            lines[p] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, p))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[path + (i,)] = item.start_mark.line + 1
+            lines.update(_key_lines(item, path + (i,)))
+    return lines
+
+
+def _fill_env(value: Any, path: tuple, problems: list[tuple[tuple, str]]) -> Any:
+    if isinstance(value, dict):
+        return {k: _fill_env(v, path + (k,), problems) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_env(v, path + (i,), problems) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        problems.append((path, f"environment variable {name} is not set"))
+        return ""
+
+    return _ENV.sub(sub, value)
+
+
+def _apply_override(raw: dict, assignment: str) -> None:
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.strip():
+        raise JobError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set embedding.dimensions=[256,64]")
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise JobError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise JobError(f"--set {key}: value is not valid YAML: {e}") from None
+
+
+def _loc(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read, fill and validate a job file. Raises JobError listing every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise JobError(f"cannot read job file {path}: {e.strerror or e}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise JobError(f"{path}: not valid YAML: {e}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError(f"{path}: a job file is a mapping of keys (name, input, model, ...), got {type(raw).__name__}")
+    lines = _key_lines(node) if node is not None else {}
+
+    for assignment in overrides:
+        _apply_override(raw, assignment)
+
+    env_problems: list[tuple[tuple, str]] = []
+    raw = _fill_env(raw, (), env_problems)
+
+    def where(loc: tuple) -> str:
+        for n in range(len(loc), 0, -1):
+            if loc[:n] in lines:
+                return f"{path}:{lines[loc[:n]]}: "
+        return f"{path}: "
+
+    messages = [f"{where(p)}{_loc(p)}: {msg}" for p, msg in env_problems]
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown key '{loc[-1]}'"
+            elif err["type"] == "missing":
+                msg = "required key is missing"
+            else:
+                msg = err["msg"]
+                if msg.startswith("Value error, "):
+                    msg = msg[len("Value error, "):]
+            messages.append(f"{where(loc)}{_loc(loc)}: {msg}")
+        spec = None
+    if messages:
+        raise JobError("invalid job:\n  " + "\n  ".join(messages))
+    return spec

@@ -1,0 +1,120 @@
+"""The embedding engine: vLLM's offline pooling runner, fed token ids, read as arrays.
+
+Three things are done on purpose here:
+  - `PoolingParams(task="embed")`: without a task, recent vLLM returns per-token
+    hidden states (tokens x hidden) instead of one pooled vector.
+  - `LLM.encode(..., pooling_task="embed")` rather than `LLM.embed`: the latter
+    turns every vector into a Python list of floats; we keep the tensors.
+  - every result is checked to be exactly one vector of the model's dimension.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import EngineSpec
+from .errors import RunError
+from .model import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM
+# reserves; encoders keep no KV cache worth the name, so a small share is plenty
+# and vLLM's default (0.92) fails to start beside anything else.
+_CPU_MEMORY_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What must match for an engine to serve a job."""
+
+    model_path: str
+    dtype: str
+    max_length: int
+
+
+class Engine:
+    """One vLLM engine. Use as a context manager, or call close()."""
+
+    def __init__(self, model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec):
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM, PoolingParams
+        from vllm.platforms import current_platform
+
+        self.key = EngineKey(str(model.path), dtype, max_length)
+        self.dimension = model.dimension
+        self.on_cpu = current_platform.is_cpu()
+        memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if self.on_cpu else 0.9)
+        args = dict(
+            model=str(model.path),
+            tokenizer=str(model.path),
+            runner="pooling",
+            dtype=dtype,
+            max_model_len=max_length,
+            # One engine call is one token-budgeted batch: let the scheduler take it whole.
+            max_num_batched_tokens=max(spec.token_budget, max_length),
+            max_num_seqs=spec.max_batch_rows,
+            enforce_eager=spec.enforce_eager,
+            gpu_memory_utilization=memory_share,
+            seed=0,
+            disable_log_stats=True,
+        )
+        args.update(spec.vllm_args)
+        log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if k != "tokenizer"})
+        try:
+            self.llm = LLM(**args)
+        except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
+            raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
+        self._params = PoolingParams(task="embed")
+
+    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
+        """One engine call. Returns float32 (rows, dimension), each row L2-normalised by the model's pooler."""
+        import torch
+        from vllm.inputs import TokensPrompt
+
+        if not token_ids:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
+        outputs = self.llm.encode(prompts, pooling_params=self._params, pooling_task="embed", use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RunError(f"engine returned {len(outputs)} results for {len(prompts)} inputs")
+        tensors = []
+        for out in outputs:
+            if getattr(out, "error", None) is not None:
+                raise RunError(f"engine failed a request ({len(out.prompt_token_ids)} tokens): {out.error}")
+            tensors.append(out.outputs.data)
+        matrix = torch.stack(tensors).to(torch.float32).cpu().numpy()
+        # The per-token bug: a missing pooling task yields (tokens, hidden) per row.
+        if matrix.shape != (len(prompts), self.dimension):
+            raise RunError(
+                f"engine returned shape {tuple(tensors[0].shape)} per row, expected one vector of "
+                f"{self.dimension}: the model's pooling does not produce sentence embeddings"
+            )
+        return matrix
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()
+            except Exception as e:  # noqa: BLE001 - shutting down must not turn success into failure
+                log.warning("engine shutdown: %s", e)
+        del llm
+        import gc
+
+        gc.collect()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

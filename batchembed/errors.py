@@ -1,0 +1,17 @@
+"""The two kinds of failure a user sees, each with its documented exit code."""
+
+
+class BatchembedError(Exception):
+    exit_code = 1
+
+
+class JobError(BatchembedError):
+    """The job file, the command line or the input's shape is wrong: nothing was started."""
+
+    exit_code = 2
+
+
+class RunError(BatchembedError):
+    """The run started and failed; the message says what and where."""
+
+    exit_code = 1

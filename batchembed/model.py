@@ -1,0 +1,156 @@
+"""Find a model folder and read what the run needs from it, without loading weights.
+
+`model.name` is one of:
+  - a local directory holding config.json;
+  - `package:<python package>`: the folder inside that installed package that holds
+    the model (the package itself, or its one subfolder with a config.json);
+  - a Hugging Face id, taken from the local cache only (runs never download).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import JobError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # as the job wrote it
+    path: Path  # resolved folder
+    dimension: int  # size of the pooled, normalised vector
+    max_length: int  # the model's own token limit (what it was trained with)
+    position_limit: int  # the most tokens its position embeddings allow
+    matryoshka_dimensions: tuple[int, ...] | None  # None: not declared
+    is_matryoshka: bool
+
+
+def _package_model_dir(package: str) -> Path:
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise JobError(f"model.name: package:{package}: no installed Python package named {package!r} (pip install it)")
+    root = Path(list(spec.submodule_search_locations)[0])
+    if (root / "config.json").is_file():
+        return root
+    found = sorted(p.parent for p in root.glob("*/config.json"))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise JobError(f"model.name: package:{package}: no folder with a config.json inside {root}")
+    raise JobError(f"model.name: package:{package}: several model folders in {root}: {[p.name for p in found]}; "
+                   "name one as a local directory")
+
+
+def resolve_model_dir(name: str) -> Path:
+    if name.startswith("package:"):
+        return _package_model_dir(name[len("package:"):])
+    p = Path(os.path.expanduser(name))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise JobError(f"model.name: {name}: the directory has no config.json")
+        return p.resolve()
+    if p.is_absolute() or name.startswith("."):
+        raise JobError(f"model.name: {name}: no such directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - the hub client raises many kinds; all mean "not here"
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise JobError(
+            f"model.name: {name}: not a local directory, not package:<name>, and not in the local "
+            f"Hugging Face cache ({HF_HUB_CACHE}); batchembed never downloads ({type(e).__name__})"
+        ) from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise JobError(f"model: cannot read {path}: {e}") from None
+
+
+def read_model_info(name: str) -> ModelInfo:
+    path = resolve_model_dir(name)
+    config = _read_json(path / "config.json")
+    st_config = _read_json(path / "sentence_bert_config.json")
+    modules = _read_json(path / "modules.json") or []
+
+    dimension = config.get("hidden_size") or config.get("d_model")
+    for module in modules if isinstance(modules, list) else []:
+        kind = module.get("type", "")
+        sub = path / module.get("path", "")
+        if kind.endswith("Pooling"):
+            dimension = _read_json(sub / "config.json").get("word_embedding_dimension", dimension)
+        elif kind.endswith("Dense"):
+            dimension = _read_json(sub / "config.json").get("out_features", dimension)
+    if not dimension:
+        raise JobError(f"model: {path}/config.json names no hidden_size; cannot tell the embedding dimension")
+
+    limits = [st_config.get("max_seq_length"), config.get("max_position_embeddings")]
+    tok_config = _read_json(path / "tokenizer_config.json")
+    if isinstance(tok_config.get("model_max_length"), int) and tok_config["model_max_length"] < 10**6:
+        limits.append(tok_config["model_max_length"])
+    limits = [x for x in limits if isinstance(x, int) and x > 0]
+    # sentence-transformers' max_seq_length wins: it is what the model was trained with.
+    max_length = st_config.get("max_seq_length") or (min(limits) if limits else 512)
+
+    mdims = config.get("matryoshka_dimensions")
+    return ModelInfo(
+        name=name,
+        path=path,
+        dimension=int(dimension),
+        max_length=int(max_length),
+        position_limit=int(config.get("max_position_embeddings") or max_length),
+        matryoshka_dimensions=tuple(mdims) if mdims else None,
+        is_matryoshka=bool(config.get("is_matryoshka") or mdims),
+    )
+
+
+_HASH_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "batchembed" / "model-hashes.json"
+
+
+def model_content_hash(path: Path) -> str:
+    """sha256 over every file of the model folder (names and bytes), cached by size and mtime."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                   and "__pycache__" not in p.parts)
+    stat_key = hashlib.sha256(
+        "\n".join(f"{p.relative_to(path)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files).encode()
+    ).hexdigest()
+    key = f"{path.resolve()}|{stat_key}"
+    try:
+        cache = json.loads(_HASH_CACHE.read_text())
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(path)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    digest = "sha256:" + h.hexdigest()
+    try:
+        _HASH_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        cache[key] = digest
+        tmp = _HASH_CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(_HASH_CACHE)
+    except OSError:
+        pass  # a read-only home only costs a re-hash next time
+    return digest

@@ -1,0 +1,97 @@
+"""Reading the corpus: Parquet footers for planning, record batches for the run.
+
+Only footers are read to plan (row counts, row groups, schema), and only the
+needed columns are read to run, a batch at a time: a file is never in memory whole.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import InputSpec
+from .errors import JobError, RunError
+from .storage import fingerprint, full_url
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str  # as the filesystem names it
+    url: str  # as the user would write it
+    num_rows: int
+    row_group_rows: tuple[int, ...]
+    schema: pa.Schema  # of the columns the job reads
+    fingerprint: dict[str, Any]
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
+
+
+def needed_columns(spec: InputSpec) -> list[str]:
+    cols = [spec.text_column]
+    for c in [spec.id_column, *spec.carry_columns]:
+        if c and c not in cols:
+            cols.append(c)
+    return cols
+
+
+def _inspect_one(fs, path: str, spec: InputSpec) -> InputFile:
+    url = full_url(fs, path)
+    try:
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            schema = meta.schema.to_arrow_schema()
+    except FileNotFoundError:
+        raise RunError(f"input file vanished while planning: {url}") from None
+    except (pa.ArrowException, OSError) as e:
+        raise RunError(f"cannot read Parquet file {url}: {e}") from None
+    cols = needed_columns(spec)
+    missing = [c for c in cols if c not in schema.names]
+    if missing:
+        keys = {spec.text_column: "input.text_column", spec.id_column: "input.id_column"}
+        which = ", ".join(f"{keys.get(c, 'input.carry_columns')} {c!r}" for c in missing)
+        raise JobError(f"{which} not in {url}; its columns are: {', '.join(schema.names)}")
+    text_type = schema.field(spec.text_column).type
+    if not _is_text(text_type) and not pa.types.is_null(text_type):
+        raise JobError(f"input.text_column {spec.text_column!r} in {url} is {text_type}, not a string column")
+    return InputFile(
+        path=path,
+        url=url,
+        num_rows=meta.num_rows,
+        row_group_rows=tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)),
+        schema=pa.schema([schema.field(c) for c in cols]),
+        fingerprint=fingerprint(fs, path),
+    )
+
+
+def inspect_inputs(fs, paths: list[str], spec: InputSpec, threads: int = 16) -> list[InputFile]:
+    """Footers of every input file, read in parallel (object stores are latency-bound)."""
+    with ThreadPoolExecutor(max_workers=min(threads, max(1, len(paths)))) as pool:
+        files = list(pool.map(lambda p: _inspect_one(fs, p, spec), paths))
+    first = files[0]
+    for f in files[1:]:
+        for name in first.schema.names:
+            a, b = first.schema.field(name).type, f.schema.field(name).type
+            if a != b and not (_is_text(a) and _is_text(b)):
+                raise JobError(f"column {name!r} is {a} in {first.url} but {b} in {f.url}")
+    return files
+
+
+def iter_batches(fs, file: InputFile, row_groups: list[int], columns: list[str],
+                 batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """Record batches of the given row groups, only the given columns."""
+    try:
+        with fs.open(file.path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            yield from pf.iter_batches(batch_size=batch_rows, row_groups=row_groups, columns=columns,
+                                       use_threads=False)
+    except FileNotFoundError:
+        raise RunError(f"input file vanished during the run: {file.url}") from None
+    except (pa.ArrowException, OSError) as e:
+        raise RunError(f"cannot read Parquet file {file.url}: {e}") from None

@@ -1,0 +1,437 @@
+"""The run: plan, then stream every pending task through tokenizer, engine and writer.
+
+    reader+tokenizer thread --q_in--> engine (this thread) --q_out--> writer thread
+
+Queues are bounded, so memory stays flat whatever the corpus size, and the
+engine thread does nothing but feed the engine: reading, tokenising, Matryoshka
+reduction and Parquet writing all happen beside it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import __version__
+from .batcher import token_budget_batches
+from .config import JobSpec
+from .errors import BatchembedError, JobError, RunError
+from .matryoshka import column_names, reduce
+from .model import ModelInfo, model_content_hash, read_model_info
+from .plan import JobFingerprint, Task, make_tasks
+from .reader import InputFile, inspect_inputs, iter_batches, needed_columns
+from .storage import full_url, list_parquet_files, open_fs, read_json, write_bytes_atomic, write_json_atomic
+from .tokenizer import Tokenizer
+from .writer import COMMITS, MANIFEST, SUCCESS, PartWriter, vector_array, vector_type
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """Everything known before the engine loads."""
+
+    spec: JobSpec
+    model: ModelInfo
+    max_length: int
+    dimensions: list[int]
+    files: list[InputFile]
+    tasks: list[Task]
+    in_fs: Any
+    out_fs: Any
+    out_root: str
+    fingerprint: JobFingerprint
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def output_schema(self) -> pa.Schema:
+        schema = self.files[0].schema
+        cols = [c for c in [self.spec.input.id_column, *self.spec.input.carry_columns] if c]
+        fields = [schema.field(c) for c in dict.fromkeys(cols)]
+        names = column_names(self.dimensions)
+        fields += [pa.field(names[d], vector_type(d, self.spec.embedding.output_dtype)) for d in self.dimensions]
+        return pa.schema(fields)
+
+
+def prepare(spec: JobSpec) -> Prepared:
+    """Check the job against the model and the input (footers only). Raises JobError."""
+    model = read_model_info(spec.model.name)
+    warnings = []
+    max_length = spec.model.max_length or model.max_length
+    if max_length > model.position_limit:
+        raise JobError(f"model.max_length: {max_length} is more than {model.path.name} allows "
+                       f"({model.position_limit} positions)")
+    if max_length > model.max_length:
+        warnings.append(f"model.max_length {max_length} is above the {model.max_length} tokens the model was "
+                        "trained with; quality may drop past that")
+    dims = spec.embedding.dimensions or [model.dimension]
+    too_big = [d for d in dims if d > model.dimension]
+    if too_big:
+        raise JobError(f"embedding.dimensions: {too_big[0]} is larger than the model's dimension {model.dimension}")
+    if any(d < model.dimension for d in dims) and not model.is_matryoshka:
+        warnings.append(f"embedding.dimensions {dims}: the model does not declare Matryoshka training "
+                        "(is_matryoshka / matryoshka_dimensions in config.json); truncated vectors may lose "
+                        "much more quality than for a Matryoshka model")
+    if spec.engine.token_budget < max_length:
+        raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
+                       "one full-length row must fit in a call")
+    in_fs, paths = list_parquet_files(spec.input.uri, spec.input.storage_options)
+    files = inspect_inputs(in_fs, paths, spec.input)
+    tasks = make_tasks(files, spec.output.rows_per_part)
+    out_fs, out_root = open_fs(spec.output.uri, spec.output.storage_options, "output.uri")
+    out_root = out_root.rstrip("/")
+    fp = JobFingerprint(
+        model_hash=model_content_hash(model.path),
+        dimensions=tuple(dims),
+        output_dtype=spec.embedding.output_dtype,
+        dtype=spec.model.dtype,
+        max_length=max_length,
+        prefix=spec.model.prefix,
+        columns={"text": spec.input.text_column, "id": spec.input.id_column,
+                 "carry": list(spec.input.carry_columns)},
+    )
+    for w in warnings:
+        log.warning(w)
+    return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings)
+
+
+@dataclass
+class OutputState:
+    done: dict[int, dict]  # task index -> commit record, for tasks whose part is complete and current
+    stale: list[str]  # paths of our files that no current task will rewrite
+    complete: bool  # manifest and _SUCCESS present and every task done
+
+
+def _job_diff(a: dict, b: dict) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} now" for k in keys)
+
+
+def _our_files(p: Prepared) -> tuple[list[str], set[str]]:
+    """(commit records, part files) under the output root."""
+    fs, root = p.out_fs, p.out_root
+    try:
+        commit_paths = fs.glob(f"{root}/{COMMITS}/part-*.json") if fs.exists(f"{root}/{COMMITS}") else []
+        part_paths = set(fs.glob(f"{root}/part-*.parquet")) if fs.exists(root) else set()
+    except OSError as e:
+        raise RunError(f"output.uri: cannot list {full_url(fs, root)}: {e}") from None
+    return commit_paths, part_paths
+
+
+def clear_output(p: Prepared) -> None:
+    """Remove everything batchembed wrote under the output root, marker first."""
+    fs, root = p.out_fs, p.out_root
+    commit_paths, part_paths = _our_files(p)
+    for path in [f"{root}/{SUCCESS}", f"{root}/{MANIFEST}", *commit_paths, *sorted(part_paths)]:
+        if fs.exists(path):
+            fs.rm(path)
+
+
+def output_state(p: Prepared) -> OutputState:
+    """What the output already holds. Refuses (JobError) to mix results of a different job."""
+    fs, root = p.out_fs, p.out_root
+    commit_paths, part_paths = _our_files(p)
+    manifest = read_json(fs, f"{root}/{MANIFEST}") if fs.exists(f"{root}/{MANIFEST}") else None
+    records = [r for r in (read_json(fs, c) for c in commit_paths) if r]
+    current = p.fingerprint.as_dict()
+    foreign = [r for r in records + ([manifest] if manifest else []) if r.get("job", {}).get("digest", "")
+               != p.fingerprint.digest]
+    if foreign:
+        theirs = {k: v for k, v in foreign[0]["job"].items() if k != "digest"}
+        raise JobError(f"output.uri {full_url(fs, root)} holds embeddings made by a different job "
+                       f"({_job_diff(theirs, current)}); rerun with --overwrite to replace them, "
+                       "or write to a new output.uri")
+    by_part = {r["part"]: r for r in records}
+    done = {}
+    for t in p.tasks:
+        r = by_part.get(t.part_name)
+        if r and r.get("input") == t.input_fingerprint and f"{root}/{t.part_name}" in part_paths:
+            done[t.index] = r
+    live = {f"{root}/{t.part_name}" for t in p.tasks}
+    names = {t.part_name for t in p.tasks}
+    # commit records go before their parts, so a part never outlives its record unnoticed
+    stale = [c for c in commit_paths if c.rsplit("/", 1)[-1].replace(".json", ".parquet") not in names]
+    stale += sorted(x for x in part_paths if x not in live)
+    complete = (manifest is not None and fs.exists(f"{root}/{SUCCESS}") and len(done) == len(p.tasks)
+                and not stale)
+    return OutputState(done, stale, complete)
+
+
+@dataclass
+class Stats:
+    rows: int = 0
+    embedded: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    nulls: int = 0
+    empty: int = 0
+    tasks_run: int = 0
+    tasks_skipped: int = 0
+    seconds: float = 0.0
+    engine_seconds: float = 0.0
+
+    def add(self, other: dict) -> None:
+        for k in ("rows", "embedded", "tokens", "truncated", "nulls", "empty"):
+            setattr(self, k, getattr(self, k) + int(other.get(k, 0)))
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d["seconds"] = round(self.seconds, 3)
+        d["engine_seconds"] = round(self.engine_seconds, 3)
+        d["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else 0.0
+        d["rows_per_s"] = round(self.rows / self.seconds, 1) if self.seconds else 0.0
+        return d
+
+
+_END = object()
+
+
+class _Pipeline:
+    """The three stages of one run, joined by bounded queues."""
+
+    def __init__(self, p: Prepared, engine, tasks: list[Task], progress):
+        self.p, self.engine, self.tasks, self.progress = p, engine, tasks, progress
+        self.tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.prefix)
+        self.q_in: queue.Queue = queue.Queue(maxsize=4)
+        self.q_out: queue.Queue = queue.Queue(maxsize=4)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.records: dict[int, dict] = {}
+        self.engine_seconds = 0.0
+
+    def _put(self, q: queue.Queue, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+        return _END
+
+    def _fail(self, e: BaseException) -> None:
+        self.errors.append(e)
+        self.stop.set()
+
+    def read_and_tokenise(self) -> None:
+        spec = self.p.spec.input
+        cols = needed_columns(spec)
+        try:
+            for task in self.tasks:
+                for batch in iter_batches(self.p.in_fs, task.file, list(task.row_groups), cols,
+                                          self.p.spec.engine.sort_window_rows):
+                    texts = batch.column(spec.text_column).to_pylist()
+                    if not self._put(self.q_in, (task, batch, self.tokenizer(texts))):
+                        return
+                if not self._put(self.q_in, (task, None, None)):
+                    return
+            self._put(self.q_in, _END)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self._fail(e)
+
+    def run_engine(self) -> None:
+        cfg = self.p.spec.engine
+        while True:
+            item = self._get(self.q_in)
+            if item is _END:
+                self._put(self.q_out, _END)
+                return
+            task, batch, tok = item
+            if batch is not None:
+                full = np.zeros((len(tok.ids), self.engine.dimension), dtype=np.float32)
+                t0 = time.perf_counter()
+                for idx in token_budget_batches(tok.lengths, cfg.token_budget, cfg.max_batch_rows):
+                    full[idx] = self.engine.embed([tok.ids[i] for i in idx])
+                self.engine_seconds += time.perf_counter() - t0
+                item = (task, batch, tok, full)
+            if not self._put(self.q_out, item):
+                return
+
+    def write(self) -> None:
+        p = self.p
+        names = column_names(p.dimensions)
+        keep = [c for c in dict.fromkeys([p.spec.input.id_column, *p.spec.input.carry_columns]) if c]
+        writer: PartWriter | None = None
+        counts: dict[str, int] = {}
+        try:
+            while True:
+                item = self._get(self.q_out)
+                if item is _END:
+                    return
+                task, batch, tok = item[:3]
+                if writer is None:
+                    writer = PartWriter(task, p.output_schema, p.spec.output.compression)
+                    counts = dict(rows=0, embedded=0, tokens=0, truncated=0, nulls=0, empty=0)
+                if batch is None:
+                    self._commit(writer, counts)
+                    writer = None
+                    continue
+                full = item[3]
+                arrays = [batch.column(c) for c in keep]
+                for d, m in reduce(full, p.dimensions).items():
+                    padded = np.zeros((batch.num_rows, d), dtype=np.float32)
+                    padded[tok.valid] = m
+                    arrays.append(vector_array(padded, tok.valid, p.spec.embedding.output_dtype))
+                writer.write(pa.Table.from_arrays(arrays, schema=p.output_schema))
+                n_null = int((~tok.valid).sum())
+                step = dict(rows=batch.num_rows, embedded=len(tok.ids), tokens=int(tok.lengths.sum()),
+                            truncated=int(tok.truncated.sum()), nulls=n_null, empty=tok.empty)
+                for k, v in step.items():
+                    counts[k] += v
+                self.progress(step)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+        finally:
+            if writer is not None:
+                writer.discard()
+
+    def _commit(self, writer: PartWriter, counts: dict) -> None:
+        task = writer.task
+        if writer.rows != task.num_rows:
+            raise RunError(f"{task.file.url}: read {writer.rows} rows, its footer says {task.num_rows}")
+        record = {"part": task.part_name, "task": task.index, **counts, "input": task.input_fingerprint,
+                  "job": {**self.p.fingerprint.as_dict(), "digest": self.p.fingerprint.digest},
+                  "committed_at": _now()}
+        writer.commit(self.p.out_fs, self.p.out_root, record)
+        self.records[task.index] = record
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self.read_and_tokenise, name="batchembed-read", daemon=True),
+                   threading.Thread(target=self.write, name="batchembed-write", daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            self.run_engine()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+        finally:
+            for t in threads:
+                t.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def make_engine(p: Prepared):
+    from .engine import Engine
+
+    return Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine)
+
+
+def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: bool = True) -> Stats:
+    """Run a job to completion (resuming what is committed). Pass `engine` to reuse a loaded one."""
+    started = time.perf_counter()
+    p = prepare(spec)
+    if overwrite:
+        clear_output(p)
+    state = output_state(p)
+    stats = Stats(tasks_skipped=len(state.done))
+    for r in state.done.values():
+        stats.add(r)
+    if state.complete:
+        log.info("output %s is complete and current; nothing to do", full_url(p.out_fs, p.out_root))
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    fs, root = p.out_fs, p.out_root
+    # The output is about to change: it must stop looking finished first.
+    for name in (SUCCESS, MANIFEST):
+        if fs.exists(f"{root}/{name}"):
+            fs.rm(f"{root}/{name}")
+    pending = [t for t in p.tasks if t.index not in state.done]
+
+    own_engine = engine is None
+    if own_engine:
+        engine = make_engine(p)
+    elif engine.key != (key := _engine_key(p)):
+        raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
+                   dynamic_ncols=True, smoothing=0.1)
+        run_started = time.perf_counter()
+        tokens = 0
+
+        def progress(step: dict) -> None:
+            nonlocal tokens
+            tokens += step["tokens"]
+            bar.update(step["rows"])
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - run_started, 1e-9):,.0f} tok/s", refresh=False)
+
+        pipeline = _Pipeline(p, engine, pending, progress)
+        try:
+            pipeline.run()
+        finally:
+            bar.close()
+    except BatchembedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything else is a failed run, with its cause named
+        raise RunError(f"{type(e).__name__}: {e}") from e
+    finally:
+        if own_engine:
+            engine.close()
+    for r in pipeline.records.values():
+        stats.add(r)
+    stats.tasks_run = len(pipeline.records)
+    stats.engine_seconds = pipeline.engine_seconds
+
+    for path in state.stale:
+        fs.rm(path)
+    records = {**state.done, **pipeline.records}
+    stats.seconds = time.perf_counter() - started
+    write_manifest(p, records, stats)
+    return stats
+
+
+def _engine_key(p: Prepared):
+    from .engine import EngineKey
+
+    return EngineKey(str(p.model.path), p.spec.model.dtype, p.max_length)
+
+
+def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats) -> None:
+    missing = [t.part_name for t in p.tasks if t.index not in records]
+    if missing:
+        raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
+    totals = Stats()
+    for r in records.values():
+        totals.add(r)
+    spec = p.spec
+    manifest = {
+        "tool": {"name": "batchembed", "version": __version__},
+        "name": spec.name,
+        "created_at": _now(),
+        "job": {**p.fingerprint.as_dict(), "digest": p.fingerprint.digest},
+        "model": {"name": spec.model.name, "hash": p.fingerprint.model_hash, "dimension": p.model.dimension,
+                  "dtype": spec.model.dtype, "max_length": p.max_length, "prefix": spec.model.prefix,
+                  "is_matryoshka": p.model.is_matryoshka},
+        "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
+                      "output_dtype": spec.embedding.output_dtype, "normalised": "l2"},
+        "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "id_column": spec.input.id_column,
+                  "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
+        "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "tokens", "truncated", "nulls", "empty")},
+        "parts": [{"name": records[t.index]["part"], "rows": records[t.index]["rows"],
+                   "input": records[t.index]["input"]} for t in p.tasks],
+        "last_run": stats.summary(),
+    }
+    write_json_atomic(p.out_fs, f"{p.out_root}/{MANIFEST}", manifest)
+    write_bytes_atomic(p.out_fs, f"{p.out_root}/{SUCCESS}", b"")

@@ -1,0 +1,74 @@
+"""Writing the output: one Parquet part per task, a commit record per part, the manifest last.
+
+Layout under `output.uri`:
+    part-00000.parquet ...       the vectors, next to the ids and carried columns
+    _commits/part-00000.json     written after its part: rows, tokens, fingerprints
+    manifest.json                after every part is committed
+    _SUCCESS                     last of all: a reader that sees it sees a finished output
+
+A part is streamed to a local temporary file row group by row group (memory
+stays flat) and committed in one atomic step.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .plan import Task
+from .storage import put_file_atomic, write_json_atomic
+
+COMMITS = "_commits"
+MANIFEST = "manifest.json"
+SUCCESS = "_SUCCESS"
+
+
+def vector_array(matrix: np.ndarray, valid: np.ndarray, dtype: str) -> pa.FixedSizeListArray:
+    """A fixed-size-list column from a (rows, d) matrix; rows where `valid` is False are null."""
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    values = pa.array(np.ascontiguousarray(matrix, dtype=np_dtype).reshape(-1))
+    mask = None if valid.all() else pa.array(~valid)
+    return pa.FixedSizeListArray.from_arrays(values, matrix.shape[1], mask=mask)
+
+
+def vector_type(dim: int, dtype: str) -> pa.DataType:
+    return pa.list_(pa.float16() if dtype == "float16" else pa.float32(), dim)
+
+
+class PartWriter:
+    """Streams one task's output to a local temporary Parquet file; commit() publishes it."""
+
+    def __init__(self, task: Task, schema: pa.Schema, compression: str):
+        fd, self.local_path = tempfile.mkstemp(prefix="batchembed-", suffix=".parquet")
+        os.close(fd)
+        self.task = task
+        self.schema = schema
+        self._writer = pq.ParquetWriter(self.local_path, schema,
+                                        compression=None if compression == "none" else compression)
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        self._writer.write_table(table.cast(self.schema) if table.schema != self.schema else table)
+        self.rows += table.num_rows
+
+    def commit(self, fs, root: str, record: dict[str, Any]) -> None:
+        """Publish the part, then its commit record. Either may be retried; both are idempotent."""
+        self._writer.close()
+        try:
+            put_file_atomic(fs, self.local_path, f"{root}/{self.task.part_name}")
+            write_json_atomic(fs, f"{root}/{COMMITS}/{self.task.part_name[:-len('.parquet')]}.json", record)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        try:
+            self._writer.close()
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+        if os.path.exists(self.local_path):
+            os.unlink(self.local_path)

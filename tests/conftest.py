@@ -1,0 +1,37 @@
+"""Shared fixtures: one real vLLM engine for the whole session, real Parquet files."""
+
+from __future__ import annotations
+
+import os
+import pytest
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+from helpers import MODEL
+
+
+@pytest.fixture(scope="session")
+def model_info():
+    from batchembed.model import read_model_info
+
+    return read_model_info(MODEL)
+
+
+@pytest.fixture(scope="session")
+def engine(model_info):
+    """The one engine of the test session: float32, so vectors can be compared tightly."""
+    from batchembed.config import EngineSpec
+    from batchembed.engine import Engine
+
+    eng = Engine(model_info, "float32", model_info.max_length, EngineSpec())
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def st_model(model_info):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_info.path), device="cpu")

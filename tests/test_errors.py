@@ -1,0 +1,101 @@
+"""Bad input: a clear message naming the key, column or file, the documented exit
+code, and nothing left behind that looks finished."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import yaml
+from click.testing import CliRunner
+from helpers import job_dict, make_job, write_parquet
+
+from batchembed.cli import cli
+from batchembed.errors import RunError
+from batchembed.runner import run_job
+
+
+def run_cli(tmp_path, job: dict, *args):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return CliRunner().invoke(cli, [*args, "run", str(path), "--no-progress"])
+
+
+def assert_nothing_finished(out_dir):
+    assert not (out_dir / "_SUCCESS").exists() and not (out_dir / "manifest.json").exists()
+
+
+def test_missing_text_column_lists_the_columns_there_are(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "body": ["x"], "title": ["t"]})
+    r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out"))
+    assert r.exit_code == 2, r.output
+    assert "input.text_column 'text' not in" in r.output and "in.parquet" in r.output
+    assert "id, body, title" in r.output
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_missing_carry_column_is_named(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    job = job_dict(tmp_path / "in.parquet", tmp_path / "out", input={"carry_columns": ["nope"]})
+    r = run_cli(tmp_path, job)
+    assert r.exit_code == 2 and "input.carry_columns 'nope'" in r.output
+
+
+def test_non_string_text_column(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1, 2], "text": [1.5, 2.5]})
+    r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out"))
+    assert r.exit_code == 2
+    assert "input.text_column 'text'" in r.output and "is double, not a string column" in r.output
+
+
+def test_no_input_files(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = run_cli(tmp_path, job_dict(tmp_path / "empty" / "*.parquet", tmp_path / "out"))
+    assert r.exit_code == 2 and "input.uri: no Parquet files at" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_parquet_names_the_file(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": [1], "text": ["fine"]})
+    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    r = run_cli(tmp_path, job_dict(tmp_path / "in", tmp_path / "out"))
+    assert r.exit_code == 1, r.output
+    assert "cannot read Parquet file" in r.output and "b.parquet" in r.output
+    assert_nothing_finished(tmp_path / "out")
+
+
+def test_dimension_larger_than_the_model(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [512]}))
+    assert r.exit_code == 2 and "embedding.dimensions: 512 is larger than the model's dimension 384" in r.output
+
+
+def test_non_matryoshka_model_warns(tmp_path, caplog):
+    from batchembed.runner import prepare
+
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    p = prepare(make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [128]}))
+    assert any("does not declare Matryoshka" in w for w in p.warnings)
+
+
+def test_unknown_model_and_bad_key_exit_2(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out", model={"name": "package:no_such_pkg"}))
+    assert r.exit_code == 2 and "no installed Python package named 'no_such_pkg'" in r.output
+    r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out", model={"name": "nobody/no-model"}))
+    assert r.exit_code == 2 and "not in the local Hugging Face cache" in r.output
+    r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out", output={"colour": "red"}))
+    assert r.exit_code == 2 and "output.colour: unknown key" in r.output
+
+
+def test_corruption_found_mid_run_fails_by_name_and_leaves_no_success(tmp_path, engine):
+    """The footer reads fine, a data page does not: found only while streaming."""
+    good = write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(200)),
+                                                         "text": [f"row {i} " * 20 for i in range(200)]})
+    data = bytearray(good.read_bytes())
+    mid = len(data) // 3
+    data[mid:mid + 200] = b"\xff" * 200
+    (tmp_path / "in" / "b.parquet").write_bytes(bytes(data))
+    with pytest.raises(RunError, match="b.parquet"):
+        run_job(make_job(tmp_path / "in", tmp_path / "out"), engine=engine, show_progress=False)
+    assert_nothing_finished(tmp_path / "out")
+    assert not (tmp_path / "out" / "part-00001.parquet").exists()

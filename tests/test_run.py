@@ -1,0 +1,151 @@
+"""End to end through the real engine: Parquet in, normalised vectors out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import SENTENCES, make_job, read_output, write_parquet
+
+from batchembed.matryoshka import l2_normalise
+from batchembed.runner import run_job
+from batchembed.tokenizer import Tokenizer
+
+
+def vectors(table: pa.Table, column: str) -> np.ndarray:
+    return np.stack(table.column(column).to_numpy(zero_copy_only=False))
+
+
+def test_fidelity_against_sentence_transformers(tmp_path, engine, st_model):
+    texts = SENTENCES * 3
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(len(texts))), "text": texts})
+    stats = run_job(make_job(tmp_path / "in", tmp_path / "out"), engine=engine, show_progress=False)
+    out = read_output(tmp_path / "out")
+    ours = vectors(out, "embedding")
+    theirs = st_model.encode(texts, convert_to_numpy=True, normalize_embeddings=True, batch_size=8)
+    cos = (ours * theirs).sum(axis=1) / np.linalg.norm(theirs, axis=1)
+    assert cos.min() >= 0.9999, cos
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-3)
+    assert stats.rows == len(texts) and stats.truncated == 3  # the long sentence, 3 times
+    assert stats.empty == 3
+
+
+def test_one_vector_of_model_dimension_for_any_length(engine, model_info):
+    """The per-token bug: output must be (rows, dim) whatever the input length."""
+    tok = Tokenizer(model_info.path, model_info.max_length)
+    texts = ["x"] + ["word " * n for n in (10, 100, 255, 1000)]
+    t = tok(texts)
+    assert t.lengths.min() <= 3 and t.lengths.max() == model_info.max_length  # 1000 words truncated
+    for ids in t.ids:
+        out = engine.embed([ids])
+        assert out.shape == (1, model_info.dimension)
+    assert engine.embed(t.ids).shape == (len(texts), model_info.dimension)
+
+
+def test_matryoshka_columns_equal_normalise_truncate_full(tmp_path, engine):
+    write_parquet(tmp_path / "in.parquet", {"id": [1, 2, 3, 4], "text": SENTENCES[:4]})
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [384, 128, 32]}),
+            engine=engine, show_progress=False)
+    out = read_output(tmp_path / "out")
+    assert out.column_names == ["id", "embedding_384", "embedding_128", "embedding_32"]
+    assert out.schema.field("embedding_128").type == pa.list_(pa.float32(), 128)
+    full = vectors(out, "embedding_384")
+    for d in (128, 32):
+        reduced = vectors(out, f"embedding_{d}")
+        np.testing.assert_allclose(reduced, l2_normalise(full[:, :d]), atol=1e-6)
+        np.testing.assert_allclose(np.linalg.norm(reduced, axis=1), 1.0, atol=1e-3)
+
+
+def test_order_ids_and_carried_columns_across_files_and_row_groups(tmp_path, engine):
+    rng = np.random.default_rng(7)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    expected_ids, expected_titles, all_texts = [], [], []
+    for k in range(3):
+        n = 57 + k * 20
+        ids = [f"doc-{k}-{i}" for i in range(n)]
+        # lengths vary a lot so that length-sorting really reorders rows inside a window
+        texts = [" ".join(rng.choice(words, size=int(rng.integers(1, 200)))) for _ in range(n)]
+        titles = [f"title {k}/{i}" for i in range(n)]
+        write_parquet(tmp_path / "in" / f"f{k}.parquet",
+                      {"id": ids, "text": texts, "title": titles, "score": rng.random(n)}, row_group_size=16)
+        expected_ids += ids
+        expected_titles += titles
+        all_texts += texts
+    spec = make_job(tmp_path / "in", tmp_path / "out", input={"carry_columns": ["title", "score"]},
+                    engine={"sort_window_rows": 40, "token_budget": 1024, "max_batch_rows": 7},
+                    output={"rows_per_part": 32})
+    run_job(spec, engine=engine, show_progress=False)
+    out = read_output(tmp_path / "out")
+    assert out.column("id").to_pylist() == expected_ids
+    assert out.column("title").to_pylist() == expected_titles
+    assert out.schema.field("score").type == pa.float64()
+    # each vector belongs to its own row: compare with embedding the texts one call each
+    tok = Tokenizer(engine.key.model_path, 256)
+    got = vectors(out, "embedding")
+    for i in (0, 5, 60, len(all_texts) - 1):
+        ref = engine.embed(tok([all_texts[i]]).ids)[0]
+        assert float(got[i] @ ref) > 0.9999
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["counts"]["rows"] == len(expected_ids)
+    assert len(manifest["parts"]) > 3  # files were split by row groups (rows_per_part=32)
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_null_text_keeps_its_row_and_empty_text_is_embedded(tmp_path, engine):
+    write_parquet(tmp_path / "in.parquet",
+                  pa.table({"id": [1, 2, 3, 4], "text": pa.array(["a", None, "", None], pa.string())}))
+    stats = run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"output_dtype": "float16"}),
+                    engine=engine, show_progress=False)
+    out = read_output(tmp_path / "out")
+    emb = out.column("embedding")
+    assert out.column("id").to_pylist() == [1, 2, 3, 4]
+    assert emb.is_null().to_pylist() == [False, True, False, True]
+    assert out.schema.field("embedding").type == pa.list_(pa.float16(), 384)
+    assert abs(np.linalg.norm(np.asarray(emb[2].values.to_numpy(), np.float32)) - 1) < 1e-2
+    assert (stats.rows, stats.embedded, stats.nulls, stats.empty) == (4, 2, 2, 1)
+    counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
+    assert counts["nulls"] == 2 and counts["rows"] == 4
+
+
+def test_manifest_records_model_and_job(tmp_path, engine, model_info):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["hello"]})
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", model={"prefix": "passage: "},
+                     input={"storage_options": {"secret": "do-not-log"}}), engine=engine, show_progress=False)
+    text = (tmp_path / "out" / "manifest.json").read_text()
+    m = json.loads(text)
+    assert "do-not-log" not in text
+    assert m["model"]["hash"].startswith("sha256:") and m["model"]["prefix"] == "passage: "
+    assert m["model"]["max_length"] == model_info.max_length and m["embedding"]["dimensions"] == [384]
+    assert m["tool"]["name"] == "batchembed" and m["input"]["files"][0]["size"] > 0
+    assert set(m["counts"]) >= {"rows", "tokens", "truncated", "nulls"}
+
+
+def test_rerun_skips_committed_parts_and_corpus_change_redoes_only_that(tmp_path, engine):
+    for k in range(3):
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": [k * 10 + i for i in range(5)],
+                                                          "text": [f"file {k} row {i}" for i in range(5)]})
+    spec = make_job(tmp_path / "in", tmp_path / "out")
+    first = run_job(spec, engine=engine, show_progress=False)
+    assert first.tasks_run == 3
+    again = run_job(spec, engine=engine, show_progress=False)
+    assert again.tasks_run == 0 and again.rows == 15
+    write_parquet(tmp_path / "in" / "f1.parquet", {"id": [100, 101], "text": ["changed", "rows"]})
+    third = run_job(spec, engine=engine, show_progress=False)
+    assert third.tasks_run == 1
+    assert read_output(tmp_path / "out").column("id").to_pylist() == [0, 1, 2, 3, 4, 100, 101, 20, 21, 22, 23, 24]
+
+
+def test_output_of_a_different_job_is_not_mixed(tmp_path, engine):
+    from batchembed.errors import JobError
+
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["hello"]})
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out"), engine=engine, show_progress=False)
+    other = make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [64]})
+    with pytest.raises(JobError, match="different job.*dimensions"):
+        run_job(other, engine=engine, show_progress=False)
+    run_job(other, engine=engine, overwrite=True, show_progress=False)
+    assert read_output(tmp_path / "out").column_names == ["id", "embedding"]
+    assert pq.read_schema(tmp_path / "out" / "part-00000.parquet").field("embedding").type.list_size == 64
