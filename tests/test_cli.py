@@ -1,0 +1,49 @@
+"""The command as a user runs it: a real process, the real exit code."""
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+from helpers import job_dict, read_output, write_parquet
+
+BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+
+
+def test_run_exits_0_with_summary_and_json(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1, 2, 3], "text": ["a", "b", None]})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out")))
+    # output to files, not pipes: vLLM's engine child can hold a pipe open after exit
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        rc = subprocess.run([BIN, "run", str(job), "--set", "embedding.dimensions=[64]"],
+                            stdout=out, stderr=err, timeout=300).returncode
+    stderr = (tmp_path / "stderr").read_text()
+    assert rc == 0, stderr[-3000:]
+    summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
+    assert summary["rows"] == 3 and summary["nulls"] == 1 and summary["tokens"] > 0
+    assert "3 rows (2 embedded, 1 null" in stderr
+    assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_validate_and_plan_load_no_engine(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": [1, 2], "text": ["a", "b"]})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out")))
+    r = subprocess.run([BIN, "validate", str(job)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "1 files, 2 rows" in r.stdout, r.stderr
+    r = subprocess.run([BIN, "plan", str(job), "--json"], capture_output=True, text=True, timeout=120)
+    plan = json.loads(r.stdout)
+    assert plan["rows"] == 2 and plan["parts_done"] == 0 and plan["rows_pending"] == 2
+    r = subprocess.run([BIN, "validate", str(job), "--set", "model.dtype=float8"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "model.dtype" in r.stderr
+
+
+def test_version_and_help():
+    r = subprocess.run([BIN, "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and "batchembed" in r.stdout
+    r = subprocess.run([BIN, "run", "-h"], capture_output=True, text=True)
+    assert r.returncode == 0 and "batchembed run jobs/quickstart.yaml" in r.stdout
