@@ -78,6 +78,11 @@ class EngineSpec(_Strict):
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
 
 
+class RetrySpec(_Strict):
+    attempts: int = Field(6, ge=1, description="tries of each storage operation, the first included")
+    backoff_s: float = Field(1.0, ge=0, description="first wait; doubles each try, capped at 30 s")
+
+
 class JobSpec(_Strict):
     name: str
     input: InputSpec
@@ -85,6 +90,9 @@ class JobSpec(_Strict):
     embedding: EmbeddingSpec = EmbeddingSpec()
     output: OutputSpec
     engine: EngineSpec = EngineSpec()
+    on_error: Literal["fail", "skip"] = Field(
+        "fail", description="skip: an unreadable input file is recorded and the rest still run (exit 1)")
+    retry: RetrySpec = RetrySpec()
 
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -24,7 +24,11 @@ class Task:
 
     @property
     def part_name(self) -> str:
-        return f"part-{self.index:05d}.parquet"
+        """Stable under corpus changes: named by the input file's path and first row group,
+        so adding or removing one file renames no other file's parts."""
+        stem = self.file.rel[: -len(".parquet")] if self.file.rel.endswith(".parquet") else self.file.rel
+        first = self.row_groups[0] if self.row_groups else 0
+        return f"part-{stem.replace('/', '__')}-rg{first:05d}.parquet"
 
     @property
     def input_fingerprint(self) -> dict[str, Any]:

@@ -15,13 +15,14 @@ import pyarrow.parquet as pq
 
 from .config import InputSpec
 from .errors import JobError, RunError
-from .storage import fingerprint, full_url
+from .storage import fingerprint, full_url, is_transient, retry
 
 
 @dataclass(frozen=True)
 class InputFile:
     path: str  # as the filesystem names it
     url: str  # as the user would write it
+    rel: str  # path below the input root: names the output parts
     num_rows: int
     row_group_rows: tuple[int, ...]
     schema: pa.Schema  # of the columns the job reads
@@ -41,15 +42,19 @@ def needed_columns(spec: InputSpec) -> list[str]:
     return cols
 
 
-def _inspect_one(fs, path: str, spec: InputSpec) -> InputFile:
+def _read_footer(fs, path: str) -> pq.FileMetaData:
+    with fs.open(path, "rb") as f:
+        return pq.ParquetFile(f).metadata
+
+
+def _inspect_one(fs, root: str, path: str, spec: InputSpec) -> InputFile:
     url = full_url(fs, path)
     try:
-        with fs.open(path, "rb") as f:
-            meta = pq.ParquetFile(f).metadata
-            schema = meta.schema.to_arrow_schema()
+        meta = retry(lambda: _read_footer(fs, path), url)
+        schema = meta.schema.to_arrow_schema()
     except FileNotFoundError:
         raise RunError(f"input file vanished while planning: {url}") from None
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, ValueError) as e:
         raise RunError(f"cannot read Parquet file {url}: {e}") from None
     cols = needed_columns(spec)
     missing = [c for c in cols if c not in schema.names]
@@ -63,6 +68,7 @@ def _inspect_one(fs, path: str, spec: InputSpec) -> InputFile:
     return InputFile(
         path=path,
         url=url,
+        rel=path[len(root):].lstrip("/") if path.startswith(root) else path.rsplit("/", 1)[-1],
         num_rows=meta.num_rows,
         row_group_rows=tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)),
         schema=pa.schema([schema.field(c) for c in cols]),
@@ -70,22 +76,44 @@ def _inspect_one(fs, path: str, spec: InputSpec) -> InputFile:
     )
 
 
-def inspect_inputs(fs, paths: list[str], spec: InputSpec, threads: int = 16) -> list[InputFile]:
-    """Footers of every input file, read in parallel (object stores are latency-bound)."""
+def inspect_inputs(fs, root: str, paths: list[str], spec: InputSpec, skip_unreadable: bool = False,
+                   threads: int = 16) -> tuple[list[InputFile], list[dict]]:
+    """Footers of every input file, read in parallel (object stores are latency-bound).
+
+    Returns (readable files, failures). A file that cannot be read fails the whole
+    call, unless `skip_unreadable`, when it is listed in the failures instead.
+    """
+
+    def one(path: str) -> InputFile | dict:
+        try:
+            return _inspect_one(fs, root, path, spec)
+        except RunError as e:
+            if not skip_unreadable:
+                raise
+            return {"file": full_url(fs, path), "error": str(e)}
+
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(paths)))) as pool:
-        files = list(pool.map(lambda p: _inspect_one(fs, p, spec), paths))
+        results = list(pool.map(one, paths))
+    files = [r for r in results if isinstance(r, InputFile)]
+    failed = [r for r in results if isinstance(r, dict)]
+    if not files:
+        return files, failed
     first = files[0]
     for f in files[1:]:
         for name in first.schema.names:
             a, b = first.schema.field(name).type, f.schema.field(name).type
             if a != b and not (_is_text(a) and _is_text(b)):
                 raise JobError(f"column {name!r} is {a} in {first.url} but {b} in {f.url}")
-    return files
+    return files, failed
 
 
 def iter_batches(fs, file: InputFile, row_groups: list[int], columns: list[str],
                  batch_rows: int) -> Iterator[pa.RecordBatch]:
-    """Record batches of the given row groups, only the given columns."""
+    """Record batches of the given row groups, only the given columns.
+
+    Corrupt data raises RunError naming the file; a transient storage error is
+    left as it is, for the caller to retry the whole task.
+    """
     try:
         with fs.open(file.path, "rb") as f:
             pf = pq.ParquetFile(f)
@@ -93,5 +121,7 @@ def iter_batches(fs, file: InputFile, row_groups: list[int], columns: list[str],
                                        use_threads=False)
     except FileNotFoundError:
         raise RunError(f"input file vanished during the run: {file.url}") from None
-    except (pa.ArrowException, OSError) as e:
-        raise RunError(f"cannot read Parquet file {file.url}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - sorted into transient (re-raised) and corrupt
+        if is_transient(e):
+            raise
+        raise RunError(f"cannot read Parquet file {file.url}: {type(e).__name__}: {e}") from None

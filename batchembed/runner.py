@@ -28,7 +28,9 @@ from .matryoshka import column_names, reduce
 from .model import ModelInfo, model_content_hash, read_model_info
 from .plan import JobFingerprint, Task, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches, needed_columns
-from .storage import full_url, list_parquet_files, open_fs, read_json, write_bytes_atomic, write_json_atomic
+from . import storage
+from .storage import (RetryPolicy, full_url, is_transient, list_parquet_files, open_fs, read_json, remove, retry,
+                      write_bytes_atomic, write_json_atomic)
 from .tokenizer import Tokenizer
 from .writer import COMMITS, MANIFEST, SUCCESS, PartWriter, vector_array, vector_type
 
@@ -50,6 +52,7 @@ class Prepared:
     out_root: str
     fingerprint: JobFingerprint
     warnings: list[str] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)  # unreadable inputs, with on_error: skip
 
     @property
     def output_schema(self) -> pa.Schema:
@@ -83,8 +86,11 @@ def prepare(spec: JobSpec) -> Prepared:
     if spec.engine.token_budget < max_length:
         raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
                        "one full-length row must fit in a call")
-    in_fs, paths = list_parquet_files(spec.input.uri, spec.input.storage_options)
-    files = inspect_inputs(in_fs, paths, spec.input)
+    storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
+    in_fs, in_root, paths = list_parquet_files(spec.input.uri, spec.input.storage_options)
+    files, failed = inspect_inputs(in_fs, in_root, paths, spec.input, skip_unreadable=spec.on_error == "skip")
+    if not files:
+        raise RunError(f"no input file could be read ({len(failed)} failed), e.g. {failed[0]['error']}")
     tasks = make_tasks(files, spec.output.rows_per_part)
     out_fs, out_root = open_fs(spec.output.uri, spec.output.storage_options, "output.uri")
     out_root = out_root.rstrip("/")
@@ -100,7 +106,7 @@ def prepare(spec: JobSpec) -> Prepared:
     )
     for w in warnings:
         log.warning(w)
-    return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings)
+    return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings, failed)
 
 
 @dataclass
@@ -118,12 +124,14 @@ def _job_diff(a: dict, b: dict) -> str:
 def _our_files(p: Prepared) -> tuple[list[str], set[str]]:
     """(commit records, part files) under the output root."""
     fs, root = p.out_fs, p.out_root
-    try:
-        commit_paths = fs.glob(f"{root}/{COMMITS}/part-*.json") if fs.exists(f"{root}/{COMMITS}") else []
-        part_paths = set(fs.glob(f"{root}/part-*.parquet")) if fs.exists(root) else set()
-    except OSError as e:
-        raise RunError(f"output.uri: cannot list {full_url(fs, root)}: {e}") from None
-    return commit_paths, part_paths
+
+    def listing() -> tuple[list[str], set[str]]:
+        fs.invalidate_cache()
+        commits = fs.glob(f"{root}/{COMMITS}/part-*.json") if fs.exists(f"{root}/{COMMITS}") else []
+        parts = set(fs.glob(f"{root}/part-*.parquet")) if fs.exists(root) else set()
+        return commits, parts
+
+    return retry(listing, full_url(fs, root))
 
 
 def clear_output(p: Prepared) -> None:
@@ -131,15 +139,14 @@ def clear_output(p: Prepared) -> None:
     fs, root = p.out_fs, p.out_root
     commit_paths, part_paths = _our_files(p)
     for path in [f"{root}/{SUCCESS}", f"{root}/{MANIFEST}", *commit_paths, *sorted(part_paths)]:
-        if fs.exists(path):
-            fs.rm(path)
+        remove(fs, path)
 
 
 def output_state(p: Prepared) -> OutputState:
     """What the output already holds. Refuses (JobError) to mix results of a different job."""
     fs, root = p.out_fs, p.out_root
     commit_paths, part_paths = _our_files(p)
-    manifest = read_json(fs, f"{root}/{MANIFEST}") if fs.exists(f"{root}/{MANIFEST}") else None
+    manifest = read_json(fs, f"{root}/{MANIFEST}")
     records = [r for r in (read_json(fs, c) for c in commit_paths) if r]
     current = p.fingerprint.as_dict()
     foreign = [r for r in records + ([manifest] if manifest else []) if r.get("job", {}).get("digest", "")
@@ -160,8 +167,8 @@ def output_state(p: Prepared) -> OutputState:
     # commit records go before their parts, so a part never outlives its record unnoticed
     stale = [c for c in commit_paths if c.rsplit("/", 1)[-1].replace(".json", ".parquet") not in names]
     stale += sorted(x for x in part_paths if x not in live)
-    complete = (manifest is not None and fs.exists(f"{root}/{SUCCESS}") and len(done) == len(p.tasks)
-                and not stale)
+    complete = (manifest is not None and retry(lambda: fs.exists(f"{root}/{SUCCESS}"), full_url(fs, root))
+                and len(done) == len(p.tasks) and not stale and not p.failed)
     return OutputState(done, stale, complete)
 
 
@@ -175,6 +182,7 @@ class Stats:
     empty: int = 0
     tasks_run: int = 0
     tasks_skipped: int = 0
+    failed: int = 0
     seconds: float = 0.0
     engine_seconds: float = 0.0
 
@@ -191,11 +199,17 @@ class Stats:
         return d
 
 
-_END = object()
+_END = object()  # no more work
+_RESET = "reset"  # the task is being read again from its start: drop what was written of it
+_FAILED = "failed"  # the task failed and on_error is skip: drop it, record why
 
 
 class _Pipeline:
-    """The three stages of one run, joined by bounded queues."""
+    """The three stages of one run, joined by bounded queues.
+
+    Items are (task, batch, tokenized[, vectors]); `batch` None closes the task,
+    _RESET restarts it, _FAILED abandons it.
+    """
 
     def __init__(self, p: Prepared, engine, tasks: list[Task], progress):
         self.p, self.engine, self.tasks, self.progress = p, engine, tasks, progress
@@ -205,6 +219,7 @@ class _Pipeline:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.records: dict[int, dict] = {}
+        self.failed: list[dict] = []
         self.engine_seconds = 0.0
 
     def _put(self, q: queue.Queue, item) -> bool:
@@ -228,17 +243,43 @@ class _Pipeline:
         self.errors.append(e)
         self.stop.set()
 
-    def read_and_tokenise(self) -> None:
+    def _read_task(self, task: Task) -> bool:
+        """Read and tokenise one task, retrying it whole on transient storage errors."""
         spec = self.p.spec.input
         cols = needed_columns(spec)
-        try:
-            for task in self.tasks:
+        policy = storage.policy
+        for attempt in range(1, policy.attempts + 1):
+            sent = False
+            try:
                 for batch in iter_batches(self.p.in_fs, task.file, list(task.row_groups), cols,
                                           self.p.spec.engine.sort_window_rows):
                     texts = batch.column(spec.text_column).to_pylist()
                     if not self._put(self.q_in, (task, batch, self.tokenizer(texts))):
-                        return
-                if not self._put(self.q_in, (task, None, None)):
+                        return False
+                    sent = True
+                return self._put(self.q_in, (task, None, None))
+            except RunError as e:
+                if self.p.spec.on_error != "skip":
+                    raise
+                log.error("skipping %s: %s", task.file.url, e)
+                return self._put(self.q_in, (task, _FAILED, str(e)))
+            except Exception as e:  # noqa: BLE001 - transient ones are retried, the rest fail the run
+                if not is_transient(e):
+                    raise
+                if attempt == policy.attempts:
+                    raise RunError(f"storage error reading {task.file.url} after {attempt} attempts: "
+                                   f"{type(e).__name__}: {e}") from e
+                wait = min(policy.backoff_s * 2 ** (attempt - 1), 30.0)
+                log.warning("storage error reading %s (%s); task restarts in %.1f s", task.file.url, e, wait)
+                if sent and not self._put(self.q_in, (task, _RESET, None)):
+                    return False
+                time.sleep(wait)
+        return False
+
+    def read_and_tokenise(self) -> None:
+        try:
+            for task in self.tasks:
+                if not self._read_task(task):
                     return
             self._put(self.q_in, _END)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
@@ -252,7 +293,7 @@ class _Pipeline:
                 self._put(self.q_out, _END)
                 return
             task, batch, tok = item
-            if batch is not None:
+            if isinstance(batch, pa.RecordBatch):
                 full = np.zeros((len(tok.ids), self.engine.dimension), dtype=np.float32)
                 t0 = time.perf_counter()
                 for idx in token_budget_batches(tok.lengths, cfg.token_budget, cfg.max_batch_rows):
@@ -264,7 +305,6 @@ class _Pipeline:
 
     def write(self) -> None:
         p = self.p
-        names = column_names(p.dimensions)
         keep = [c for c in dict.fromkeys([p.spec.input.id_column, *p.spec.input.carry_columns]) if c]
         writer: PartWriter | None = None
         counts: dict[str, int] = {}
@@ -274,6 +314,14 @@ class _Pipeline:
                 if item is _END:
                     return
                 task, batch, tok = item[:3]
+                if isinstance(batch, str):  # _RESET or _FAILED
+                    if writer is not None:
+                        writer.discard()
+                        self.progress(dict(rows=-counts["rows"], tokens=-counts["tokens"]))
+                        writer = None
+                    if batch == _FAILED:
+                        self.failed.append({"file": task.file.url, "part": task.part_name, "error": tok})
+                    continue
                 if writer is None:
                     writer = PartWriter(task, p.output_schema, p.spec.output.compression)
                     counts = dict(rows=0, embedded=0, tokens=0, truncated=0, nulls=0, empty=0)
@@ -281,16 +329,14 @@ class _Pipeline:
                     self._commit(writer, counts)
                     writer = None
                     continue
-                full = item[3]
                 arrays = [batch.column(c) for c in keep]
-                for d, m in reduce(full, p.dimensions).items():
+                for d, m in reduce(item[3], p.dimensions).items():
                     padded = np.zeros((batch.num_rows, d), dtype=np.float32)
                     padded[tok.valid] = m
                     arrays.append(vector_array(padded, tok.valid, p.spec.embedding.output_dtype))
                 writer.write(pa.Table.from_arrays(arrays, schema=p.output_schema))
-                n_null = int((~tok.valid).sum())
                 step = dict(rows=batch.num_rows, embedded=len(tok.ids), tokens=int(tok.lengths.sum()),
-                            truncated=int(tok.truncated.sum()), nulls=n_null, empty=tok.empty)
+                            truncated=int(tok.truncated.sum()), nulls=int((~tok.valid).sum()), empty=tok.empty)
                 for k, v in step.items():
                     counts[k] += v
                 self.progress(step)
@@ -304,7 +350,7 @@ class _Pipeline:
         task = writer.task
         if writer.rows != task.num_rows:
             raise RunError(f"{task.file.url}: read {writer.rows} rows, its footer says {task.num_rows}")
-        record = {"part": task.part_name, "task": task.index, **counts, "input": task.input_fingerprint,
+        record = {"part": task.part_name, **counts, "input": task.input_fingerprint,
                   "job": {**self.p.fingerprint.as_dict(), "digest": self.p.fingerprint.digest},
                   "committed_at": _now()}
         writer.commit(self.p.out_fs, self.p.out_root, record)
@@ -337,7 +383,11 @@ def make_engine(p: Prepared):
 
 
 def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: bool = True) -> Stats:
-    """Run a job to completion (resuming what is committed). Pass `engine` to reuse a loaded one."""
+    """Run a job to completion, resuming what is committed. Pass `engine` to reuse a loaded one.
+
+    Raises JobError (nothing started), or RunError (failed; with on_error: skip, after
+    finishing every readable task and writing a manifest that lists the failures).
+    """
     started = time.perf_counter()
     p = prepare(spec)
     if overwrite:
@@ -354,14 +404,13 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     fs, root = p.out_fs, p.out_root
     # The output is about to change: it must stop looking finished first.
     for name in (SUCCESS, MANIFEST):
-        if fs.exists(f"{root}/{name}"):
-            fs.rm(f"{root}/{name}")
+        remove(fs, f"{root}/{name}")
     pending = [t for t in p.tasks if t.index not in state.done]
 
-    own_engine = engine is None
+    own_engine = engine is None and bool(pending)
     if own_engine:
         engine = make_engine(p)
-    elif engine.key != (key := _engine_key(p)):
+    elif pending and engine.key != (key := _engine_key(p)):
         raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
     try:
         from tqdm import tqdm
@@ -395,10 +444,15 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     stats.engine_seconds = pipeline.engine_seconds
 
     for path in state.stale:
-        fs.rm(path)
-    records = {**state.done, **pipeline.records}
+        remove(fs, path)
+    failed = p.failed + pipeline.failed
+    stats.failed = len(failed)
     stats.seconds = time.perf_counter() - started
-    write_manifest(p, records, stats)
+    write_manifest(p, {**state.done, **pipeline.records}, stats, failed)
+    if failed:
+        raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
+                       f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
+                       f"{full_url(fs, root)}/{MANIFEST}, without {SUCCESS}")
     return stats
 
 
@@ -408,8 +462,11 @@ def _engine_key(p: Prepared):
     return EngineKey(str(p.model.path), p.spec.model.dtype, p.max_length)
 
 
-def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats) -> None:
-    missing = [t.part_name for t in p.tasks if t.index not in records]
+def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
+    """The manifest, then _SUCCESS, once every task is committed. With failures: the
+    manifest lists them, and no _SUCCESS is written."""
+    failed_parts = {f.get("part") for f in failed}
+    missing = [t.part_name for t in p.tasks if t.index not in records and t.part_name not in failed_parts]
     if missing:
         raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
     totals = Stats()
@@ -420,6 +477,7 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats) -> None:
         "tool": {"name": "batchembed", "version": __version__},
         "name": spec.name,
         "created_at": _now(),
+        "complete": not failed,
         "job": {**p.fingerprint.as_dict(), "digest": p.fingerprint.digest},
         "model": {"name": spec.model.name, "hash": p.fingerprint.model_hash, "dimension": p.model.dimension,
                   "dtype": spec.model.dtype, "max_length": p.max_length, "prefix": spec.model.prefix,
@@ -430,8 +488,10 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats) -> None:
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
         "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "tokens", "truncated", "nulls", "empty")},
         "parts": [{"name": records[t.index]["part"], "rows": records[t.index]["rows"],
-                   "input": records[t.index]["input"]} for t in p.tasks],
+                   "input": records[t.index]["input"]} for t in p.tasks if t.index in records],
+        "failed": failed,
         "last_run": stats.summary(),
     }
     write_json_atomic(p.out_fs, f"{p.out_root}/{MANIFEST}", manifest)
-    write_bytes_atomic(p.out_fs, f"{p.out_root}/{SUCCESS}", b"")
+    if not failed:
+        write_bytes_atomic(p.out_fs, f"{p.out_root}/{SUCCESS}", b"")

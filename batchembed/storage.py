@@ -10,14 +10,65 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 from .errors import JobError, RunError
 
 log = logging.getLogger(__name__)
 
 _GLOB_CHARS = set("*?[")
+T = TypeVar("T")
+
+
+@dataclass
+class RetryPolicy:
+    attempts: int = 6
+    backoff_s: float = 1.0  # doubles each attempt, capped at 30 s
+
+
+# Set once per run from the job's `retry` section (runner.run_job).
+policy = RetryPolicy()
+
+
+def is_transient(e: BaseException) -> bool:
+    """Worth retrying: the store or the network hiccuped; not a missing file or a refusal."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    module = type(e).__module__ or ""
+    if module.startswith(("botocore", "aiohttp", "urllib3", "requests", "google.api_core", "azure.core")):
+        return "Credentials" not in type(e).__name__
+    import pyarrow as pa
+
+    if isinstance(e, pa.ArrowException):  # corrupt data, not a flaky store
+        return False
+    # An OSError with an errno is the OS's (ECONNRESET, EIO...); pyarrow's "Corrupt snappy
+    # compressed data" and the like carry none.
+    return isinstance(e, OSError) and e.errno is not None
+
+
+def retry(fn: Callable[[], T], what: str) -> T:
+    """Call fn, retrying transient storage errors with exponential backoff.
+
+    After the last attempt, raises RunError naming `what` (a URL: never credentials).
+    """
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - sorted by is_transient
+            if not is_transient(e):
+                raise
+            if attempt == policy.attempts:
+                raise RunError(f"storage error at {what} after {attempt} attempts: {type(e).__name__}: {e}") from e
+            wait = min(policy.backoff_s * 2 ** (attempt - 1), 30.0)
+            log.warning("storage error at %s (%s: %s); retry %d/%d in %.1f s", what, type(e).__name__, e,
+                        attempt, policy.attempts - 1, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 def open_fs(uri: str, storage_options: dict[str, Any], key: str):
@@ -42,31 +93,39 @@ def full_url(fs, path: str) -> str:
     return path if is_local(fs) else fs.unstrip_protocol(path)
 
 
-def list_parquet_files(uri: str, storage_options: dict[str, Any]) -> tuple[Any, list[str]]:
-    """Sorted Parquet files under a file, directory or glob URL."""
+def static_prefix(path: str) -> str:
+    """The folder part of an input path before any glob character (the root of part names)."""
+    cut = min((path.index(c) for c in _GLOB_CHARS if c in path), default=None)
+    return path[:cut].rsplit("/", 1)[0] if cut is not None else path
+
+
+def list_parquet_files(uri: str, storage_options: dict[str, Any]) -> tuple[Any, str, list[str]]:
+    """(filesystem, root, sorted Parquet files) under a file, directory or glob URL."""
     fs, path = open_fs(uri, storage_options, "input.uri")
-    try:
+    path = path.rstrip("/") or "/"
+
+    def listing() -> tuple[str, list[str]]:
         if _GLOB_CHARS & set(path):
-            files = [p for p in fs.glob(path) if fs.isfile(p)]
-        elif fs.isdir(path):
-            files = [p for p in fs.find(path) if p.endswith(".parquet")
-                     and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))]
-        elif fs.exists(path):
-            files = [path]
-        else:
-            files = []
+            return static_prefix(path), [p for p in fs.glob(path) if fs.isfile(p)]
+        if fs.isdir(path):
+            return path, [p for p in fs.find(path) if p.endswith(".parquet")
+                          and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))]
+        if fs.exists(path):
+            return path.rsplit("/", 1)[0], [path]
+        return path, []
+
+    try:
+        root, files = retry(listing, uri)
     except (FileNotFoundError, PermissionError) as e:
         raise JobError(f"input.uri: {uri}: {e}") from None
-    except OSError as e:
-        raise RunError(f"input.uri: cannot list {uri}: {e}") from None
     if not files:
         raise JobError(f"input.uri: no Parquet files at {uri}")
-    return fs, sorted(files)
+    return fs, root, sorted(files)
 
 
 def fingerprint(fs, path: str) -> dict[str, Any]:
     """What identifies one version of an input file: path, size, and etag or mtime."""
-    info = fs.info(path)
+    info = retry(lambda: fs.info(path), full_url(fs, path))
     fp: dict[str, Any] = {"path": full_url(fs, path), "size": info.get("size")}
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
     if etag:
@@ -78,6 +137,10 @@ def fingerprint(fs, path: str) -> dict[str, Any]:
 
 
 def put_file_atomic(fs, local_path: str, remote_path: str) -> None:
+    retry(lambda: _put_file_atomic(fs, local_path, remote_path), full_url(fs, remote_path))
+
+
+def _put_file_atomic(fs, local_path: str, remote_path: str) -> None:
     if is_local(fs):
         fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
         tmp = f"{remote_path}.tmp-{uuid.uuid4().hex}"
@@ -88,6 +151,10 @@ def put_file_atomic(fs, local_path: str, remote_path: str) -> None:
 
 
 def write_bytes_atomic(fs, remote_path: str, data: bytes) -> None:
+    retry(lambda: _write_bytes_atomic(fs, remote_path, data), full_url(fs, remote_path))
+
+
+def _write_bytes_atomic(fs, remote_path: str, data: bytes) -> None:
     if is_local(fs):
         fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
         tmp = f"{remote_path}.tmp-{uuid.uuid4().hex}"
@@ -105,11 +172,28 @@ def write_json_atomic(fs, remote_path: str, obj: Any) -> None:
 
 
 def read_json(fs, path: str) -> Any | None:
-    try:
+    """A small JSON object, or None where it is absent or unreadable."""
+
+    def read() -> bytes:
         with fs.open(path, "rb") as f:
-            return json.loads(f.read())
+            return f.read()
+
+    try:
+        return json.loads(retry(read, full_url(fs, path)))
     except FileNotFoundError:
         return None
     except json.JSONDecodeError:
         log.warning("ignoring unreadable %s", path)
         return None
+
+
+def remove(fs, path: str) -> None:
+    """Delete a file if it is there (retried)."""
+
+    def rm() -> None:
+        try:
+            fs.rm(path)
+        except FileNotFoundError:
+            pass
+
+    retry(rm, full_url(fs, path))

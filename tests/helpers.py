@@ -18,7 +18,10 @@ def job_dict(input_uri: str, output_uri: str, **sections) -> dict:
         "output": {"uri": str(output_uri)},
     }
     for key, value in sections.items():
-        job.setdefault(key, {}).update(value)
+        if isinstance(value, dict):
+            job.setdefault(key, {}).update(value)
+        else:
+            job[key] = value
     return job
 
 

@@ -98,4 +98,22 @@ def test_corruption_found_mid_run_fails_by_name_and_leaves_no_success(tmp_path, 
     with pytest.raises(RunError, match="b.parquet"):
         run_job(make_job(tmp_path / "in", tmp_path / "out"), engine=engine, show_progress=False)
     assert_nothing_finished(tmp_path / "out")
-    assert not (tmp_path / "out" / "part-00001.parquet").exists()
+    assert not list((tmp_path / "out").glob("part-b-*"))  # no part of the bad file, whole or partial
+
+
+def test_on_error_skip_finishes_the_rest_records_the_file_and_fails(tmp_path, engine):
+    import json
+
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": [1, 2], "text": ["one", "two"]})
+    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 not parquet")
+    write_parquet(tmp_path / "in" / "c.parquet", {"id": [3], "text": ["three"]})
+    spec = make_job(tmp_path / "in", tmp_path / "out", on_error="skip")
+    with pytest.raises(RunError, match="1 input file.*b.parquet"):
+        run_job(spec, engine=engine, show_progress=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["failed"][0]["file"].endswith("b.parquet")
+    assert manifest["counts"]["rows"] == 3 and not (tmp_path / "out" / "_SUCCESS").exists()
+    # fixed input: the rerun embeds only the file that failed, then finishes
+    write_parquet(tmp_path / "in" / "b.parquet", {"id": [9], "text": ["fixed"]})
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert stats.tasks_run == 1 and stats.rows == 4 and (tmp_path / "out" / "_SUCCESS").exists()

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from helpers import SENTENCES, make_job, read_output, write_parquet
 
@@ -135,6 +134,13 @@ def test_rerun_skips_committed_parts_and_corpus_change_redoes_only_that(tmp_path
     write_parquet(tmp_path / "in" / "f1.parquet", {"id": [100, 101], "text": ["changed", "rows"]})
     third = run_job(spec, engine=engine, show_progress=False)
     assert third.tasks_run == 1
+    # parts are named by input file, so adding a file renames nothing else
+    write_parquet(tmp_path / "in" / "f0a.parquet", {"id": [5], "text": ["inserted"]})
+    assert run_job(spec, engine=engine, show_progress=False).tasks_run == 1
+    (tmp_path / "in" / "f0a.parquet").unlink()
+    assert run_job(spec, engine=engine, show_progress=False).tasks_run == 0
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == [
+        "part-f0-rg00000.parquet", "part-f1-rg00000.parquet", "part-f2-rg00000.parquet"]
     assert read_output(tmp_path / "out").column("id").to_pylist() == [0, 1, 2, 3, 4, 100, 101, 20, 21, 22, 23, 24]
 
 
@@ -148,4 +154,5 @@ def test_output_of_a_different_job_is_not_mixed(tmp_path, engine):
         run_job(other, engine=engine, show_progress=False)
     run_job(other, engine=engine, overwrite=True, show_progress=False)
     assert read_output(tmp_path / "out").column_names == ["id", "embedding"]
-    assert pq.read_schema(tmp_path / "out" / "part-00000.parquet").field("embedding").type.list_size == 64
+    assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
+    assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 1
