@@ -14,7 +14,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import BatchembedError, JobError
+from .errors import BatchembedError, JobError, RunError
 
 log = logging.getLogger("batchembed")
 
@@ -141,6 +141,40 @@ def plan(job_file, overrides, as_json):
         return
     for k, v in info.items():
         click.echo(f"{k:>13}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>13}: {v}")
+
+
+@cli.command()
+@click.argument("output_uri")
+@click.option("--storage-option", "options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333. Repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify(output_uri, options, as_json):
+    """Check an output against its manifest: parts, row counts, dimensions, norms.
+
+    Exit 0 when everything matches, 1 on any mismatch.
+    \b
+      batchembed verify out/quickstart-emb/
+      batchembed verify s3://corpus/wiki-emb/ --storage-option endpoint_url=http://127.0.0.1:8333
+    """
+    from .verify import verify_output
+
+    opts = {}
+    for o in options:
+        k, sep, v = o.partition("=")
+        if not sep:
+            raise click.UsageError(f"--storage-option {o!r}: expected KEY=VALUE")
+        opts[k] = v
+    problems, summary = verify_output(output_uri, opts)
+    if as_json:
+        click.echo(json.dumps({**summary, "problems": problems}, indent=2))
+    else:
+        for p in problems:
+            click.echo(f"mismatch: {p}", err=True)
+        if summary:
+            click.echo(f"{'ok' if not problems else 'FAILED'}: {summary['parts']} parts, {summary['rows']:,} rows, "
+                       f"{summary['vectors_checked']:,} vectors, max |norm-1| {summary['max_norm_error']:.1e}")
+    if problems:
+        raise RunError(f"verify: {len(problems)} problem(s) in {output_uri}")
 
 
 def main() -> None:

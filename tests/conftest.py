@@ -35,3 +35,14 @@ def st_model(model_info):
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(model_info.path), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server (SeaweedFS) on a free loopback port, for the whole session."""
+    from s3server import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed") / "data")
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,65 @@
+"""`batchembed verify`: check a finished output against its manifest, reading every part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from .storage import full_url, open_fs, read_json, retry
+from .writer import MANIFEST, SUCCESS
+
+
+def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], dict]:
+    """(problems, summary). No problems means: _SUCCESS is there, every part the manifest
+    lists exists with its row count and vector columns, every vector has norm 1, and
+    no part is there that the manifest does not list."""
+    fs, root = open_fs(uri, storage_options or {}, "OUTPUT_URI")
+    root = root.rstrip("/")
+    manifest = read_json(fs, f"{root}/{MANIFEST}")
+    if manifest is None:
+        return [f"no {MANIFEST} at {uri}: not a finished batchembed output"], {}
+    problems: list[str] = []
+    if not retry(lambda: fs.exists(f"{root}/{SUCCESS}"), uri):
+        problems.append(f"no {SUCCESS}: the output is unfinished" +
+                        (f" ({len(manifest.get('failed', []))} input files failed)" if manifest.get("failed") else ""))
+    columns = manifest["embedding"]["columns"]
+    tol = 1e-2 if manifest["embedding"]["output_dtype"] == "float16" else 1e-3
+    listed = {p["name"]: p for p in manifest["parts"]}
+    present = {path.rsplit("/", 1)[-1] for path in retry(lambda: fs.glob(f"{root}/part-*.parquet"), uri)}
+    for extra in sorted(present - set(listed)):
+        problems.append(f"{extra}: a part the manifest does not list")
+    rows = vectors = 0
+    worst = 0.0
+    for name, entry in listed.items():
+        if name not in present:
+            problems.append(f"{name}: listed in the manifest, missing")
+            continue
+        url = full_url(fs, f"{root}/{name}")
+        with fs.open(f"{root}/{name}", "rb") as f:
+            pf = pq.ParquetFile(f)
+            if pf.metadata.num_rows != entry["rows"]:
+                problems.append(f"{url}: {pf.metadata.num_rows} rows, the manifest says {entry['rows']}")
+            rows += pf.metadata.num_rows
+            for dim, col in columns.items():
+                field = pf.schema_arrow.field(col) if col in pf.schema_arrow.names else None
+                if field is None or getattr(field.type, "list_size", None) != int(dim):
+                    problems.append(f"{url}: column {col} is {field.type if field else 'missing'}, "
+                                    f"expected {dim} values per row")
+                    continue
+                for batch in pf.iter_batches(columns=[col]):
+                    arr = batch.column(0).drop_null()
+                    if len(arr) == 0:
+                        continue
+                    m = np.asarray(arr.values.to_numpy(zero_copy_only=False), np.float32).reshape(len(arr), -1)
+                    err = float(np.abs(np.linalg.norm(m, axis=1) - 1).max())
+                    worst = max(worst, err)
+                    vectors += len(arr)
+    if worst > tol:
+        problems.append(f"a vector's norm is off 1 by {worst:.2e} (tolerance {tol})")
+    if rows != manifest["counts"]["rows"]:
+        problems.append(f"parts hold {rows} rows, the manifest counts {manifest['counts']['rows']}")
+    summary = {"output": uri, "parts": len(listed), "rows": rows, "vectors_checked": vectors,
+               "max_norm_error": worst, "ok": not problems}
+    return problems, summary

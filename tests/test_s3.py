@@ -1,0 +1,157 @@
+"""Object storage against a real S3 server (SeaweedFS on loopback)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from helpers import job_dict
+
+from batchembed.config import JobSpec
+from batchembed.errors import RunError
+from batchembed.runner import run_job
+from batchembed.verify import verify_output
+
+BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+
+
+def put_parquet(fs, path: str, table: dict, row_group_size: int | None = None) -> None:
+    buf = io.BytesIO()
+    pq.write_table(pa.table(table), buf, row_group_size=row_group_size)
+    fs.pipe(path, buf.getvalue())
+
+
+def read_s3_output(fs, prefix: str) -> pa.Table:
+    parts = sorted(fs.glob(f"{prefix}/part-*.parquet"))
+    return pa.concat_tables([pq.read_table(fs.open(p, "rb")) for p in parts])
+
+
+def corpus(fs, prefix: str, files: int, rows: int, words: int = 12) -> list[int]:
+    ids = []
+    for k in range(files):
+        batch = list(range(k * 1000, k * 1000 + rows))
+        put_parquet(fs, f"{prefix}/f{k:02d}.parquet",
+                    {"id": batch, "text": [f"document {i} " + "lorem ipsum dolor " * words for i in batch]},
+                    row_group_size=max(1, rows // 2))
+        ids += batch
+    return ids
+
+
+def s3_job(name: str, endpoint: str = "${TEST_S3_ENDPOINT}", **sections) -> dict:
+    opts = {"endpoint_url": endpoint}
+    job = job_dict(f"s3://corpus/{name}/in/", f"s3://corpus/{name}/out/", **sections)
+    job["input"]["storage_options"] = opts
+    job["output"]["storage_options"] = opts
+    return job
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    monkeypatch.setenv("TEST_S3_ENDPOINT", s3.endpoint)
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    return s3
+
+
+def test_s3_in_and_out_with_env_credentials(tmp_path, s3_env, engine):
+    from batchembed.config import load_job
+
+    fs = s3_env.fs()
+    ids = corpus(fs, "corpus/basic/in", files=3, rows=20)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(s3_job("basic")))
+    spec = load_job(tmp_path / "job.yaml")
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert stats.rows == 60 and stats.tasks_run == 3
+    out = read_s3_output(fs, "corpus/basic/out")
+    assert out.column("id").to_pylist() == ids
+    manifest = fs.cat("corpus/basic/out/manifest.json").decode()
+    assert s3_env.env["AWS_SECRET_ACCESS_KEY"] not in manifest and s3_env.endpoint not in manifest
+    assert json.loads(manifest)["input"]["files"][0]["etag"]
+    assert fs.exists("corpus/basic/out/_SUCCESS")
+    problems, summary = verify_output("s3://corpus/basic/out/", {"endpoint_url": s3_env.endpoint})
+    assert problems == [] and summary["rows"] == 60
+    assert run_job(spec, engine=engine, show_progress=False).tasks_run == 0
+
+
+def test_server_restart_mid_run_is_retried_and_the_run_completes(s3_env, engine):
+    fs = s3_env.fs()
+    ids = corpus(fs, "corpus/restart/in", files=8, rows=120, words=30)
+    spec = JobSpec.model_validate(s3_job("restart", s3_env.endpoint, retry={"attempts": 8, "backoff_s": 0.5}))
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(stats=run_job(spec, engine=engine, show_progress=False)))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not fs.glob("corpus/restart/out/_commits/*.json"):
+        time.sleep(0.2)
+        fs.invalidate_cache()
+    assert fs.glob("corpus/restart/out/_commits/*.json"), "no part was committed before the restart"
+    s3_env.restart(down_for=2.0)
+    runner.join(timeout=300)
+    assert "stats" in result, "the run did not finish after the server came back"
+    fs = s3_env.fs()
+    out = read_s3_output(fs, "corpus/restart/out")
+    assert sorted(out.column("id").to_pylist()) == ids
+    assert out.column("id").to_pylist() == ids
+    assert fs.exists("corpus/restart/out/_SUCCESS")
+
+
+def test_persistent_storage_failure_exits_1_naming_the_url(tmp_path, s3_env):
+    from s3server import _pick_ports
+
+    dead = f"http://127.0.0.1:{_pick_ports(1)[0]}"
+    pq.write_table(pa.table({"id": [1], "text": ["x"]}), tmp_path / "in.parquet")
+    job = job_dict(tmp_path / "in.parquet", "s3://corpus/dead/out/", retry={"attempts": 2, "backoff_s": 0.1})
+    job["output"]["storage_options"] = {"endpoint_url": dead}
+    spec = JobSpec.model_validate(job)
+    with pytest.raises(RunError) as e:
+        run_job(spec, show_progress=False)
+    msg = str(e.value)
+    assert "s3://corpus/dead/out" in msg and "after 2 attempts" in msg
+    assert s3_env.env["AWS_SECRET_ACCESS_KEY"] not in msg
+
+
+def test_kill_9_at_several_points_then_rerun_gives_every_row_exactly_once(tmp_path, s3_env):
+    """The CLI as Airflow runs it, killed with SIGKILL mid-run twice, then run to the end."""
+    fs = s3_env.fs()
+    ids = corpus(fs, "corpus/kill/in", files=10, rows=150, words=25)
+    job = s3_job("kill", model={"dtype": "bfloat16"}, engine={"sort_window_rows": 50})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {**os.environ, **s3_env.env, "TEST_S3_ENDPOINT": s3_env.endpoint}
+
+    def start(i: int) -> subprocess.Popen:
+        log = open(tmp_path / f"run{i}.log", "w")
+        return subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def commits() -> int:
+        fs.invalidate_cache()
+        return len(fs.glob("corpus/kill/out/_commits/*.json"))
+
+    for i, kill_after in enumerate((1, 4)):  # once after the first commit, once further on
+        proc = start(i)
+        deadline = time.monotonic() + 240
+        while commits() < kill_after and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, (tmp_path / f"run{i}.log").read_text()[-2000:]
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the CLI and vLLM's engine processes
+        proc.wait()
+        assert not fs.exists("corpus/kill/out/_SUCCESS")
+    proc = start(9)
+    assert proc.wait(timeout=400) == 0, (tmp_path / "run9.log").read_text()[-3000:]
+    out = read_s3_output(fs, "corpus/kill/out")
+    assert out.column("id").to_pylist() == ids  # every row once, in order
+    problems, _ = verify_output("s3://corpus/kill/out/", {"endpoint_url": s3_env.endpoint})
+    assert problems == []
+    last = [ln for ln in (tmp_path / "run9.log").read_text().splitlines() if ln.startswith("{")][-1]
+    summary = json.loads(last)
+    assert summary["tasks_skipped"] >= 4 and summary["tasks_skipped"] + summary["tasks_run"] == 10
