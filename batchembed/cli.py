@@ -29,6 +29,9 @@ class _Group(click.Group):
         except BatchembedError as e:
             click.echo(f"batchembed: error: {e}", err=True)
             ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("batchembed: interrupted; committed parts are kept, a rerun resumes", err=True)
+            ctx.exit(130)
 
 
 def _setup_logging(level: str) -> None:
@@ -115,7 +118,7 @@ def plan(job_file, overrides, as_json):
     \b
       batchembed plan jobs/quickstart.yaml
     """
-    from .runner import output_state, prepare
+    from .runner import estimate_tokens, output_state, prepare
 
     p = prepare(_load(job_file, overrides))
     try:
@@ -128,12 +131,15 @@ def plan(job_file, overrides, as_json):
         "name": p.spec.name,
         "files": len(p.files),
         "rows": sum(f.num_rows for f in p.files),
+        "est_tokens": estimate_tokens(p),
         "parts": len(p.tasks),
         "parts_done": len(done),
         "rows_pending": sum(t.num_rows for t in p.tasks if t.index not in done),
         "complete": bool(state and state.complete),
         "output": p.spec.output.uri,
     }
+    if p.failed:
+        info["unreadable_files"] = [f["file"] for f in p.failed]
     if refused:
         info["refused"] = refused
     if as_json:

@@ -109,6 +109,22 @@ def prepare(spec: JobSpec) -> Prepared:
     return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings, failed)
 
 
+def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:
+    """Tokens the whole corpus will take, from the first rows of up to 4 files."""
+    tok = Tokenizer(p.model.path, p.max_length, p.spec.model.prefix)
+    seen_rows = seen_tokens = 0
+    per_file = max(1, sample_rows // min(4, len(p.files)))
+    for f in p.files[:4]:
+        if not f.row_group_rows:
+            continue
+        for batch in iter_batches(p.in_fs, f, [0], [p.spec.input.text_column], per_file):
+            t = tok(batch.column(0).to_pylist())
+            seen_rows, seen_tokens = seen_rows + len(t.valid), seen_tokens + int(t.lengths.sum())
+            break
+    total_rows = sum(f.num_rows for f in p.files)
+    return round(seen_tokens / seen_rows * total_rows) if seen_rows else 0
+
+
 @dataclass
 class OutputState:
     done: dict[int, dict]  # task index -> commit record, for tasks whose part is complete and current
@@ -184,7 +200,9 @@ class Stats:
     tasks_skipped: int = 0
     failed: int = 0
     seconds: float = 0.0
-    engine_seconds: float = 0.0
+    engine_start_seconds: float = 0.0  # loading the engine
+    pipeline_seconds: float = 0.0  # from the first read to the last commit
+    engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
 
     def add(self, other: dict) -> None:
         for k in ("rows", "embedded", "tokens", "truncated", "nulls", "empty"):
@@ -192,8 +210,10 @@ class Stats:
 
     def summary(self) -> dict:
         d = asdict(self)
-        d["seconds"] = round(self.seconds, 3)
-        d["engine_seconds"] = round(self.engine_seconds, 3)
+        for k in ("seconds", "engine_start_seconds", "pipeline_seconds", "engine_seconds"):
+            d[k] = round(d[k], 3)
+        d["engine_idle_share"] = (round(1 - self.engine_seconds / self.pipeline_seconds, 4)
+                                  if self.pipeline_seconds else None)
         d["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else 0.0
         d["rows_per_s"] = round(self.rows / self.seconds, 1) if self.seconds else 0.0
         return d
@@ -409,7 +429,9 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
 
     own_engine = engine is None and bool(pending)
     if own_engine:
+        t0 = time.perf_counter()
         engine = make_engine(p)
+        stats.engine_start_seconds = time.perf_counter() - t0
     elif pending and engine.key != (key := _engine_key(p)):
         raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
     try:
@@ -431,6 +453,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
             pipeline.run()
         finally:
             bar.close()
+            stats.pipeline_seconds = time.perf_counter() - run_started
     except BatchembedError:
         raise
     except Exception as e:  # noqa: BLE001 - anything else is a failed run, with its cause named

