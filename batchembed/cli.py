@@ -184,7 +184,25 @@ def verify(output_uri, options, as_json):
 
 
 def main() -> None:
-    cli(prog_name="batchembed")
+    """Entry point. Exits with os._exit after flushing: vLLM's engine leaves C++ threads
+    that can abort the interpreter's teardown ("terminate called without an active
+    exception"), which would turn a finished run into a failed exit code."""
+    try:
+        # Without standalone mode, click returns the code of ctx.exit(code) instead of raising.
+        rv = cli.main(prog_name="batchembed", standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.ClickException as e:
+        e.show()
+        code = e.exit_code
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def resolve_model_dir(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name, local_files_only=True))
+        return Path(snapshot_download(name, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE")))
     except Exception as e:  # noqa: BLE001 - the hub client raises many kinds; all mean "not here"
         from huggingface_hub.constants import HF_HUB_CACHE
 

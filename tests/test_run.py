@@ -156,3 +156,20 @@ def test_output_of_a_different_job_is_not_mixed(tmp_path, engine):
     assert read_output(tmp_path / "out").column_names == ["id", "embedding"]
     assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
     assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 1
+
+
+def test_verify_finds_a_tampered_output(tmp_path, engine):
+    from batchembed.verify import verify_output
+
+    write_parquet(tmp_path / "in.parquet", {"id": [1, 2, 3], "text": ["a", "b", "c"]})
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out"), engine=engine, show_progress=False)
+    assert verify_output(str(tmp_path / "out"))[0] == []
+    part = next((tmp_path / "out").glob("part-*.parquet"))
+    t = read_output(tmp_path / "out").slice(0, 2)
+    import pyarrow.parquet as pq
+
+    pq.write_table(t, part)
+    problems, _ = verify_output(str(tmp_path / "out"))
+    assert any("2 rows, the manifest says 3" in p for p in problems)
+    (tmp_path / "out" / "_SUCCESS").unlink()
+    assert any("unfinished" in p for p in verify_output(str(tmp_path / "out"))[0])

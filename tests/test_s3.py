@@ -121,7 +121,8 @@ def test_persistent_storage_failure_exits_1_naming_the_url(tmp_path, s3_env):
 
 
 def test_kill_9_at_several_points_then_rerun_gives_every_row_exactly_once(tmp_path, s3_env):
-    """The CLI as Airflow runs it, killed with SIGKILL mid-run twice, then run to the end."""
+    """The CLI as Airflow runs it, killed with SIGKILL mid-run twice, then run to the end by
+    two processes at once."""
     fs = s3_env.fs()
     ids = corpus(fs, "corpus/kill/in", files=10, rows=150, words=25)
     job = s3_job("kill", model={"dtype": "bfloat16"}, engine={"sort_window_rows": 50})
@@ -146,12 +147,15 @@ def test_kill_9_at_several_points_then_rerun_gives_every_row_exactly_once(tmp_pa
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the CLI and vLLM's engine processes
         proc.wait()
         assert not fs.exists("corpus/kill/out/_SUCCESS")
-    proc = start(9)
-    assert proc.wait(timeout=400) == 0, (tmp_path / "run9.log").read_text()[-3000:]
+    # the retry Airflow makes, twice at once (a duplicate scheduler run): both finish, no row doubles
+    procs = [start(9), start(10)]
+    for i, proc in zip((9, 10), procs):
+        assert proc.wait(timeout=400) == 0, (tmp_path / f"run{i}.log").read_text()[-3000:]
     out = read_s3_output(fs, "corpus/kill/out")
     assert out.column("id").to_pylist() == ids  # every row once, in order
     problems, _ = verify_output("s3://corpus/kill/out/", {"endpoint_url": s3_env.endpoint})
     assert problems == []
     last = [ln for ln in (tmp_path / "run9.log").read_text().splitlines() if ln.startswith("{")][-1]
     summary = json.loads(last)
-    assert summary["tasks_skipped"] >= 4 and summary["tasks_skipped"] + summary["tasks_run"] == 10
+    assert summary["tasks_skipped"] + summary["tasks_run"] == 10
+    assert len(fs.glob("corpus/kill/out/part-*.parquet")) == 10
