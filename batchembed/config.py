@@ -71,9 +71,9 @@ class OutputSpec(_Strict):
 
 class EngineSpec(_Strict):
     token_budget: int | None = Field(None, ge=16, description="most tokens in one engine step; "
-                                     "default 16384 on CPU, 65536 on GPU")
+                                     "default 8192 on CPU, 65536 on GPU")
     max_batch_rows: int | None = Field(None, ge=1, description="most rows in one engine step; "
-                                       "default 1024 on CPU, 4096 on GPU")
+                                       "default 512 on CPU, 4096 on GPU")
     sort_window_rows: int = Field(8192, ge=1, description="rows read, tokenised and length-sorted together")
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -137,34 +138,33 @@ def fingerprint(fs, path: str) -> dict[str, Any]:
 
 
 def put_file_atomic(fs, local_path: str, remote_path: str) -> None:
-    retry(lambda: _put_file_atomic(fs, local_path, remote_path), full_url(fs, remote_path))
-
-
-def _put_file_atomic(fs, local_path: str, remote_path: str) -> None:
-    if is_local(fs):
-        fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
-        tmp = f"{remote_path}.tmp-{uuid.uuid4().hex}"
-        fs.put_file(local_path, tmp)
-        os.replace(tmp, remote_path)
-    else:
-        fs.put_file(local_path, remote_path)
+    """Publish a finished local file at remote_path."""
+    retry(lambda: _publish(fs, remote_path, local_path=local_path), full_url(fs, remote_path))
 
 
 def write_bytes_atomic(fs, remote_path: str, data: bytes) -> None:
-    retry(lambda: _write_bytes_atomic(fs, remote_path, data), full_url(fs, remote_path))
+    retry(lambda: _publish(fs, remote_path, data=data), full_url(fs, remote_path))
 
 
-def _write_bytes_atomic(fs, remote_path: str, data: bytes) -> None:
-    if is_local(fs):
-        fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
-        tmp = f"{remote_path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
+def _publish(fs, remote_path: str, local_path: str | None = None, data: bytes | None = None) -> None:
+    """Locally: write a temporary file beside the target, fsync, rename. Elsewhere: one PUT."""
+    if not is_local(fs):
+        if data is None:
+            fs.put_file(local_path, remote_path)
+        else:
+            fs.pipe_file(remote_path, data)
+        return
+    fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
+    tmp = f"{remote_path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        if data is None:
+            with open(local_path, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+        else:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, remote_path)
-    else:
-        fs.pipe_file(remote_path, data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, remote_path)
 
 
 def write_json_atomic(fs, remote_path: str, obj: Any) -> None:

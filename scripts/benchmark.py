@@ -93,7 +93,6 @@ def variant_b(args) -> dict:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoConfig  # noqa: F401 - as a user script would import
 
     m = model_info()
     t_start = time.perf_counter()

@@ -3,7 +3,6 @@ code, and nothing left behind that looks finished."""
 
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
 import yaml
 from click.testing import CliRunner
