@@ -68,9 +68,10 @@ def _load(job_file: str, overrides):
 @cli.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
+@click.option("--shard", metavar="I/N", help="Run only shard I (0-based) of N, e.g. an Airflow map index.")
 @click.option("--overwrite", is_flag=True, help="Replace an output made by a different job instead of refusing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs and the final summary still print).")
-def run(job_file, overrides, overwrite, no_progress):
+def run(job_file, overrides, shard, overwrite, no_progress):
     """Embed the corpus a job file describes; resumes what is already committed.
 
     \b
@@ -79,10 +80,11 @@ def run(job_file, overrides, overwrite, no_progress):
     \b
       batchembed run jobs/quickstart.yaml
       batchembed run job.yaml --set embedding.dimensions=[256,64] --set output.uri=out/
+      batchembed run job.yaml --shard 3/16     # one of 16 Airflow tasks
     """
     from .runner import run_job
 
-    spec = _load(job_file, overrides)
+    spec = _load(job_file, [*overrides, *([f"shard={shard}"] if shard else [])])
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
     s = stats.summary()
     click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, {s['nulls']:,} null, "
@@ -147,6 +149,24 @@ def plan(job_file, overrides, as_json):
         return
     for k, v in info.items():
         click.echo(f"{k:>13}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>13}: {v}")
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+def finalize(job_file, overrides):
+    """Write manifest.json and _SUCCESS once every part is committed (after sharded runs).
+
+    The last shard to finish does this by itself; finalize is for when it could
+    not (e.g. a shard that skipped a file). Exit 1 while parts are missing.
+    \b
+      batchembed finalize job.yaml
+    """
+    from .runner import finalize_job
+
+    spec = _load(job_file, overrides)
+    stats = finalize_job(spec)
+    click.echo(f"finalized {spec.output.uri}: {stats.tasks_skipped} parts, {stats.rows:,} rows")
 
 
 @cli.command()

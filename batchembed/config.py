@@ -95,6 +95,25 @@ class JobSpec(_Strict):
     on_error: Literal["fail", "skip"] = Field(
         "fail", description="skip: an unreadable input file is recorded and the rest still run (exit 1)")
     retry: RetrySpec = RetrySpec()
+    shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "
+                              "writes the manifest")
+
+    @field_validator("shard", mode="before")
+    @classmethod
+    def _valid_shard(cls, v):
+        if v is None:
+            return v
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(v))
+        if not m or not int(m.group(1)) < int(m.group(2)):
+            raise ValueError(f"{v!r} is not i/N with 0 <= i < N, e.g. 3/16")
+        return f"{int(m.group(1))}/{int(m.group(2))}"
+
+    @property
+    def shard_of(self) -> tuple[int, int] | None:
+        if self.shard is None:
+            return None
+        i, n = self.shard.split("/")
+        return int(i), int(n)
 
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -36,6 +36,15 @@ class Task:
                 if self.row_groups else [0, 0]}
 
 
+def in_shard(task: Task, shard: tuple[int, int] | None) -> bool:
+    """Deterministic, disjoint assignment of tasks to shards, stable when the corpus
+    changes: by a hash of the part name, not by position in the listing."""
+    if shard is None:
+        return True
+    index, count = shard
+    return int(hashlib.sha1(task.part_name.encode()).hexdigest(), 16) % count == index
+
+
 def make_tasks(files: list[InputFile], rows_per_part: int) -> list[Task]:
     """Cut each file into runs of whole row groups of at most `rows_per_part` rows (one group may exceed it)."""
     tasks: list[Task] = []

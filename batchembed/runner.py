@@ -16,7 +16,7 @@ from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
 from .model import ModelInfo, model_content_hash, read_model_info
 from .pipeline import Pipeline, now_utc
-from .plan import JobFingerprint, Task, make_tasks
+from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
                       write_bytes_atomic, write_json_atomic)
@@ -221,6 +221,10 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     finishing every readable task and writing a manifest that lists the failures).
     """
     started = time.perf_counter()
+    shard = spec.shard_of
+    if overwrite and shard:
+        raise JobError("--overwrite with a shard would let each shard erase the others' parts; "
+                       "run --overwrite once unsharded, or write to a new output.uri")
     p = prepare(spec)
     if overwrite:
         clear_output(p)
@@ -234,10 +238,11 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         return stats
 
     fs, root = p.out_fs, p.out_root
-    # The output is about to change: it must stop looking finished first.
-    for name in (SUCCESS, MANIFEST):
-        remove(fs, f"{root}/{name}")
-    pending = [t for t in p.tasks if t.index not in state.done]
+    pending = [t for t in p.tasks if t.index not in state.done and in_shard(t, shard)]
+    if pending or shard is None:
+        # The output is about to change: it must stop looking finished first.
+        for name in (SUCCESS, MANIFEST):
+            remove(fs, f"{root}/{name}")
 
     own_engine = engine is None and bool(pending)
     if own_engine:
@@ -278,16 +283,43 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     stats.tasks_run = len(pipeline.records)
     stats.engine_seconds = pipeline.engine_seconds
 
-    for path in state.stale:
-        remove(fs, path)
     failed = p.failed + pipeline.failed
     stats.failed = len(failed)
     stats.seconds = time.perf_counter() - started
-    write_manifest(p, {**state.done, **pipeline.records}, stats, failed)
+    records = {**state.done, **pipeline.records}
+    if shard is not None:
+        # Other shards may have committed since this one started: the last to finish finalises.
+        records = {**output_state(p).done, **pipeline.records}
+    unfinished = [t for t in p.tasks if t.index not in records and t.part_name not in
+                  {f.get("part") for f in failed}]
+    if unfinished:
+        log.info("shard %s: its parts are committed; %d parts of other shards are pending, and the last "
+                 "shard to finish (or `batchembed finalize`) writes the manifest", spec.shard, len(unfinished))
+    else:
+        for path in state.stale:
+            remove(fs, path)
+        write_manifest(p, records, stats, failed)
     if failed:
         raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
                        f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
                        f"{full_url(fs, root)}/{MANIFEST}, without {SUCCESS}")
+    return stats
+
+
+def finalize_job(spec: JobSpec) -> Stats:
+    """Write the manifest and _SUCCESS of an output whose parts were all committed (by shards)."""
+    p = prepare(spec)
+    state = output_state(p)
+    missing = [t.part_name for t in p.tasks if t.index not in state.done]
+    if missing:
+        raise RunError(f"{len(missing)} of {len(p.tasks)} parts are not committed yet (e.g. {missing[0]}); "
+                       "run the shards that hold them, then finalize again")
+    stats = Stats(tasks_skipped=len(state.done))
+    for r in state.done.values():
+        stats.add(r)
+    for path in state.stale:
+        remove(p.out_fs, path)
+    write_manifest(p, state.done, stats, [])
     return stats
 
 

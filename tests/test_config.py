@@ -81,3 +81,11 @@ def test_not_a_mapping_and_not_yaml(tmp_path):
         load_job(write(tmp_path, "name: [unclosed\n"))
     with pytest.raises(JobError, match="cannot read job file"):
         load_job(tmp_path / "absent.yaml")
+
+
+def test_shard_is_i_of_n(tmp_path):
+    p = write(tmp_path, GOOD)
+    assert load_job(p, ["shard=3/16"]).shard_of == (3, 16)
+    for bad in ("16/16", "a/b", "3"):
+        with pytest.raises(JobError, match="shard: .* is not i/N"):
+            load_job(p, [f"shard={bad}"])

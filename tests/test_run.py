@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 from helpers import SENTENCES, make_job, read_output, write_parquet
 
+from batchembed.errors import JobError
 from batchembed.matryoshka import l2_normalise
 from batchembed.runner import run_job
 from batchembed.tokenizer import Tokenizer
@@ -145,7 +146,6 @@ def test_rerun_skips_committed_parts_and_corpus_change_redoes_only_that(tmp_path
 
 
 def test_output_of_a_different_job_is_not_mixed(tmp_path, engine):
-    from batchembed.errors import JobError
 
     write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["hello"]})
     run_job(make_job(tmp_path / "in.parquet", tmp_path / "out"), engine=engine, show_progress=False)
@@ -173,3 +173,27 @@ def test_verify_finds_a_tampered_output(tmp_path, engine):
     assert any("2 rows, the manifest says 3" in p for p in problems)
     (tmp_path / "out" / "_SUCCESS").unlink()
     assert any("unfinished" in p for p in verify_output(str(tmp_path / "out"))[0])
+
+
+def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
+    from batchembed.errors import RunError
+    from batchembed.runner import finalize_job
+
+    for k in range(6):
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": [k * 10 + i for i in range(4)],
+                                                          "text": [f"shard test {k} {i}" for i in range(4)]})
+    full = run_job(make_job(tmp_path / "in", tmp_path / "full"), engine=engine, show_progress=False)
+    sharded = [make_job(tmp_path / "in", tmp_path / "sharded", shard=f"{i}/3") for i in range(3)]
+    runs = [run_job(sharded[0], engine=engine, show_progress=False)]
+    assert not (tmp_path / "sharded" / "_SUCCESS").exists()
+    with pytest.raises(RunError, match="not committed yet"):
+        finalize_job(make_job(tmp_path / "in", tmp_path / "sharded"))
+    runs += [run_job(s, engine=engine, show_progress=False) for s in sharded[1:]]
+    assert sum(r.tasks_run for r in runs) == full.tasks_run == 6  # disjoint, and together all
+    assert (tmp_path / "sharded" / "_SUCCESS").exists()  # written by the last shard to finish
+    a, b = read_output(tmp_path / "full"), read_output(tmp_path / "sharded")
+    assert a.column("id").to_pylist() == b.column("id").to_pylist()
+    np.testing.assert_allclose(vectors(a, "embedding"), vectors(b, "embedding"), atol=1e-6)
+    assert finalize_job(make_job(tmp_path / "in", tmp_path / "sharded")).rows == 24
+    with pytest.raises(JobError, match="--overwrite with a shard"):
+        run_job(sharded[0], engine=engine, overwrite=True, show_progress=False)
