@@ -41,6 +41,8 @@ def _setup_logging(level: str) -> None:
     # Set through the environment so the engine's child processes obey it too.
     if level.upper() != "DEBUG":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+        logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,9 +90,9 @@ def run(job_file, overrides, shard, overwrite, no_progress):
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
     s = stats.summary()
     click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, {s['nulls']:,} null, "
-               f"{s['truncated']:,} truncated), {s['tokens']:,} tokens in {s['seconds']:.1f} s "
-               f"({s['tokens_per_s']:,.0f} tok/s); {s['tasks_run']} parts written, "
-               f"{s['tasks_skipped']} already done -> {spec.output.uri}", err=True)
+               f"{s['truncated']:,} truncated), {s['tokens']:,} tokens; this run: {s['tasks_run']} parts, "
+               f"{s['tokens_run']:,} tokens in {s['seconds']:.1f} s ({s['tokens_per_s']:,.0f} tok/s); "
+               f"{s['tasks_skipped']} parts already done -> {spec.output.uri}", err=True)
     click.echo(json.dumps(s))
 
 

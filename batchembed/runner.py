@@ -187,6 +187,8 @@ class Stats:
     empty: int = 0
     tasks_run: int = 0
     tasks_skipped: int = 0
+    rows_run: int = 0  # embedded by this run (the counts above include parts done before)
+    tokens_run: int = 0
     failed: int = 0
     seconds: float = 0.0
     engine_start_seconds: float = 0.0  # loading the engine
@@ -203,8 +205,8 @@ class Stats:
             d[k] = round(d[k], 3)
         d["engine_idle_share"] = (round(1 - self.engine_seconds / self.pipeline_seconds, 4)
                                   if self.pipeline_seconds else None)
-        d["tokens_per_s"] = round(self.tokens / self.seconds, 1) if self.seconds else 0.0
-        d["rows_per_s"] = round(self.rows / self.seconds, 1) if self.seconds else 0.0
+        d["tokens_per_s"] = round(self.tokens_run / self.seconds, 1) if self.seconds else 0.0
+        d["rows_per_s"] = round(self.rows_run / self.seconds, 1) if self.seconds else 0.0
         return d
 
 
@@ -280,6 +282,8 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
             engine.close()
     for r in pipeline.records.values():
         stats.add(r)
+        stats.rows_run += r["rows"]
+        stats.tokens_run += r["tokens"]
     stats.tasks_run = len(pipeline.records)
     stats.engine_seconds = pipeline.engine_seconds
 
