@@ -109,7 +109,7 @@ class Pipeline:
                 if attempt == policy.attempts:
                     raise RunError(f"storage error reading {task.file.url} after {attempt} attempts: "
                                    f"{type(e).__name__}: {e}") from e
-                wait = min(policy.backoff_s * 2 ** (attempt - 1), 30.0)
+                wait = policy.delay(attempt)
                 log.warning("storage error reading %s (%s); task restarts in %.1f s", task.file.url, e, wait)
                 if sent and not self._put(self.q_in, (task, _RESET, None)):
                     return False

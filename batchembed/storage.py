@@ -29,6 +29,10 @@ class RetryPolicy:
     attempts: int = 6
     backoff_s: float = 1.0  # doubles each attempt, capped at 30 s
 
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based)."""
+        return min(self.backoff_s * 2 ** (attempt - 1), 30.0)
+
 
 # Set once per run from the job's `retry` section (runner.run_job).
 policy = RetryPolicy()
@@ -65,7 +69,7 @@ def retry(fn: Callable[[], T], what: str) -> T:
                 raise
             if attempt == policy.attempts:
                 raise RunError(f"storage error at {what} after {attempt} attempts: {type(e).__name__}: {e}") from e
-            wait = min(policy.backoff_s * 2 ** (attempt - 1), 30.0)
+            wait = policy.delay(attempt)
             log.warning("storage error at %s (%s: %s); retry %d/%d in %.1f s", what, type(e).__name__, e,
                         attempt, policy.attempts - 1, wait)
             time.sleep(wait)
