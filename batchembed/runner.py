@@ -72,6 +72,11 @@ def prepare(spec: JobSpec) -> Prepared:
         warnings.append(f"embedding.dimensions {dims}: the model does not declare Matryoshka training "
                         "(is_matryoshka / matryoshka_dimensions in config.json); truncated vectors may lose "
                         "much more quality than for a Matryoshka model")
+    if model.matryoshka_dimensions:
+        untrained = [d for d in dims if d not in model.matryoshka_dimensions and d != model.dimension]
+        if untrained:
+            warnings.append(f"embedding.dimensions {untrained} are not among the model's trained Matryoshka "
+                            f"dimensions {list(model.matryoshka_dimensions)}")
     if spec.engine.token_budget is not None and spec.engine.token_budget < max_length:
         raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
                        "one full-length row must fit in a call")

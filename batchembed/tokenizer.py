@@ -57,8 +57,3 @@ class Tokenizer:
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(ids))
         empty = sum(1 for t in texts if t == "")
         return Tokenized(ids=ids, lengths=lengths, truncated=truncated, valid=valid, empty=empty)
-
-    def count_tokens(self, texts: list[str]) -> int:
-        """Tokens the engine would see for these texts (for plan estimates)."""
-        enc = self._tok.encode_batch_fast([self.prefix + t for t in texts])
-        return sum(len(e.ids) for e in enc)
