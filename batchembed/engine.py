@@ -44,10 +44,38 @@ class EngineKey:
     max_length: int
 
 
-class Engine:
-    """One vLLM engine. Use as a context manager, or call close()."""
+def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str], int]:
+    """Environment that pins one of several engine replicas, and how many share its device.
 
-    def __init__(self, model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec):
+    GPU: replica i runs on visible GPU i mod n; several on one GPU split its memory.
+    CPU: the cores this process may use are cut into one contiguous range per replica.
+    """
+    if replicas == 1:
+        return {}, 1
+    if on_cpu:
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // replicas)
+        mine = cores[(replica * per) % len(cores):][:per]
+        return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}"}, 1
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if not gpus:
+        raise RunError("engine.data_parallel > 1 on a GPU build, but no GPU is visible")
+    sharing = -(-replicas // len(gpus))
+    return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
+
+
+class Engine:
+    """One vLLM engine. Use as a context manager, or call close().
+
+    `replica`/`replicas` place one of several engines of a process (engine.data_parallel):
+    its own GPU (or share of one), or its own CPU cores.
+    """
+
+    def __init__(self, model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec,
+                 replica: int = 0, replicas: int = 1):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # vLLM-cpu keeps one core back for its front end by default; our front end is a
@@ -60,7 +88,8 @@ class Engine:
         self.key = EngineKey(str(model.path), dtype, max_length)
         self.dimension = model.dimension
         self.on_cpu = current_platform.is_cpu()
-        memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if self.on_cpu else 0.9)
+        env, sharing = _placement(replica, replicas, self.on_cpu)
+        memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if self.on_cpu else 0.9 / sharing)
         # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
         # FLOPs (one engine stalls near 4-5k sequences/s at 80 tokens), so steps are larger.
         self.token_budget, self.max_batch_rows = default_step_limits(spec, self.on_cpu, max_length)
@@ -80,11 +109,20 @@ class Engine:
             disable_log_stats=True,
         )
         args.update(spec.vllm_args)
-        log.info("starting vLLM engine: %s", {k: v for k, v in args.items() if k != "tokenizer"})
+        log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas, env,
+                 {k: v for k, v in args.items() if k != "tokenizer"})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read by the engine's processes as they start, in LLM()
         try:
             self.llm = LLM(**args)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self._params = PoolingParams(task="embed")
 
     def embed(self, token_ids: list[list[int]]) -> np.ndarray:

@@ -51,12 +51,13 @@ class Pipeline:
     _RESET restarts it, _FAILED abandons it.
     """
 
-    def __init__(self, p: Prepared, engine, tasks: list[Task], progress):
+    def __init__(self, p: Prepared, engine, tasks: queue.Queue, progress, stop: threading.Event | None = None):
+        """`tasks` may be shared by several pipelines (one per engine), and so may `stop`."""
         self.p, self.engine, self.tasks, self.progress = p, engine, tasks, progress
         self.tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.prefix)
         self.q_in: queue.Queue = queue.Queue(maxsize=4)
         self.q_out: queue.Queue = queue.Queue(maxsize=4)
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()
         self.errors: list[BaseException] = []
         self.records: dict[int, dict] = {}
         self.failed: list[dict] = []
@@ -118,7 +119,11 @@ class Pipeline:
 
     def read_and_tokenise(self) -> None:
         try:
-            for task in self.tasks:
+            while True:
+                try:
+                    task = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
                 if not self._read_task(task):
                     return
             self._put(self.q_in, _END)

@@ -4,6 +4,8 @@ what is pending through the pipeline (pipeline.py), then write the manifest."""
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -195,6 +197,7 @@ class Stats:
     rows_run: int = 0  # embedded by this run (the counts above include parts done before)
     tokens_run: int = 0
     failed: int = 0
+    engines: int = 0
     seconds: float = 0.0
     engine_start_seconds: float = 0.0  # loading the engine
     pipeline_seconds: float = 0.0  # from the first read to the last commit
@@ -215,10 +218,32 @@ class Stats:
         return d
 
 
-def make_engine(p: Prepared):
+def make_engine(p: Prepared, replica: int = 0, replicas: int = 1):
     from .engine import Engine
 
-    return Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine)
+    return Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
+
+
+def _run_all(pipelines: list[Pipeline]) -> None:
+    """Run the pipelines, one per engine, each in its own thread (the first in this one)."""
+    errors: list[BaseException] = []
+
+    def run(pl: Pipeline) -> None:
+        try:
+            pl.run()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            pl.stop.set()  # shared: the other pipelines stop too
+
+    threads = [threading.Thread(target=run, args=(pl,), name=f"batchembed-engine-{i}", daemon=True)
+               for i, pl in enumerate(pipelines[1:], 1)]
+    for t in threads:
+        t.start()
+    run(pipelines[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: bool = True) -> Stats:
@@ -251,30 +276,42 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         for name in (SUCCESS, MANIFEST):
             remove(fs, f"{root}/{name}")
 
-    own_engine = engine is None and bool(pending)
-    if own_engine:
-        t0 = time.perf_counter()
-        engine = make_engine(p)
-        stats.engine_start_seconds = time.perf_counter() - t0
-    elif pending and engine.key != (key := _engine_key(p)):
+    engines = [engine] if engine is not None else []
+    own_engines = engine is None and bool(pending)
+    if engine is not None and pending and engine.key != (key := _engine_key(p)):
         raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
+    pipelines: list[Pipeline] = []
     try:
+        if own_engines:
+            t0 = time.perf_counter()
+            replicas = min(spec.engine.data_parallel, len(pending))
+            for i in range(replicas):  # appended one by one, so a failed start still closes the others
+                engines.append(make_engine(p, i, replicas))
+            stats.engine_start_seconds = time.perf_counter() - t0
         from tqdm import tqdm
 
         bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
                    dynamic_ncols=True, smoothing=0.1)
         run_started = time.perf_counter()
         tokens = 0
+        lock = threading.Lock()
 
         def progress(step: dict) -> None:
             nonlocal tokens
-            tokens += step["tokens"]
-            bar.update(step["rows"])
-            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - run_started, 1e-9):,.0f} tok/s", refresh=False)
+            with lock:  # several pipelines report from their writer threads
+                tokens += step["tokens"]
+                bar.update(step["rows"])
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - run_started, 1e-9):,.0f} tok/s",
+                                    refresh=False)
 
-        pipeline = Pipeline(p, engine, pending, progress)
+        task_queue: queue.Queue = queue.Queue()
+        for t in pending:
+            task_queue.put(t)
+        stop = threading.Event()
+        pipelines = [Pipeline(p, e, task_queue, progress, stop) for e in engines]
         try:
-            pipeline.run()
+            if pipelines:
+                _run_all(pipelines)
         finally:
             bar.close()
             stats.pipeline_seconds = time.perf_counter() - run_started
@@ -283,22 +320,28 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     except Exception as e:  # noqa: BLE001 - anything else is a failed run, with its cause named
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
-        if own_engine:
-            engine.close()
-    for r in pipeline.records.values():
-        stats.add(r)
-        stats.rows_run += r["rows"]
-        stats.tokens_run += r["tokens"]
-    stats.tasks_run = len(pipeline.records)
-    stats.engine_seconds = pipeline.engine_seconds
+        if own_engines:
+            for e in engines:
+                e.close()
+    for pipeline in pipelines:
+        for r in pipeline.records.values():
+            stats.add(r)
+            stats.rows_run += r["rows"]
+            stats.tokens_run += r["tokens"]
+        stats.tasks_run += len(pipeline.records)
+    stats.engines = len(pipelines)
+    # busy time per engine, averaged: the idle share is that of the average engine
+    stats.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, len(pipelines))
+    pipeline_failed = [f for pl in pipelines for f in pl.failed]
 
-    failed = p.failed + pipeline.failed
+    failed = p.failed + pipeline_failed
     stats.failed = len(failed)
     stats.seconds = time.perf_counter() - started
-    records = {**state.done, **pipeline.records}
+    run_records = {k: v for pl in pipelines for k, v in pl.records.items()}
+    records = {**state.done, **run_records}
     if shard is not None:
         # Other shards may have committed since this one started: the last to finish finalises.
-        records = {**output_state(p).done, **pipeline.records}
+        records = {**output_state(p).done, **run_records}
     unfinished = [t for t in p.tasks if t.index not in records and t.part_name not in
                   {f.get("part") for f in failed}]
     if unfinished:

@@ -47,3 +47,31 @@ def test_version_and_help():
     assert r.returncode == 0 and "batchembed" in r.stdout
     r = subprocess.run([BIN, "run", "-h"], capture_output=True, text=True)
     assert r.returncode == 0 and "batchembed run jobs/quickstart.yaml" in r.stdout
+
+
+def test_two_engines_in_one_process_give_the_same_output(tmp_path):
+    """engine.data_parallel=2 on CPU: two vLLM engines, one core each, one task queue."""
+    import numpy as np
+
+    texts = [f"row {i} " + "data parallel engines " * (i % 7 + 1) for i in range(120)]
+    for k in range(4):
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 30, k * 30 + 30)),
+                                                          "text": texts[k * 30:(k + 1) * 30]})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine={"data_parallel": 2})))
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        rc = subprocess.run([BIN, "run", str(job)], stdout=out, stderr=err, timeout=400).returncode
+    assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
+    summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
+    assert summary["engines"] == 2 and summary["tasks_run"] == 4
+    stderr = (tmp_path / "stderr").read_text()
+    assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in stderr and "engine 2/2" in stderr
+    out = read_output(tmp_path / "out")
+    assert out.column("id").to_pylist() == list(range(120))
+    from batchembed.model import read_model_info
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(read_model_info(job_dict("", "")["model"]["name"]).path), device="cpu")
+    ref = st.encode(texts, normalize_embeddings=True)
+    got = np.stack(out.column("embedding").to_numpy(zero_copy_only=False))
+    assert float((got * ref).sum(axis=1).min()) > 0.9999
