@@ -87,6 +87,15 @@ class RetrySpec(_Strict):
     backoff_s: float = Field(1.0, ge=0, description="first wait; doubles each try, capped at 30 s")
 
 
+class RaySpec(_Strict):
+    address: str | None = Field(None, description="Ray cluster address, e.g. ray://head:10001 or auto; "
+                                "none starts a local Ray")
+    engines: int = Field(1, ge=1, description="engine actors")
+    num_cpus_per_engine: float = Field(1, gt=0)
+    num_gpus_per_engine: float = Field(0, ge=0, description="1 for one GPU each; 0.25 packs four per GPU "
+                                       "(then set engine.gpu_memory_utilization to about 0.2)")
+
+
 class JobSpec(_Strict):
     name: str
     input: InputSpec
@@ -97,6 +106,8 @@ class JobSpec(_Strict):
     on_error: Literal["fail", "skip"] = Field(
         "fail", description="skip: an unreadable input file is recorded and the rest still run (exit 1)")
     retry: RetrySpec = RetrySpec()
+    executor: Literal["local", "ray"] = "local"
+    ray: RaySpec = RaySpec()
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "
                               "writes the manifest")
 

@@ -224,6 +224,68 @@ def make_engine(p: Prepared, replica: int = 0, replicas: int = 1):
     return Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
 
 
+@dataclass
+class RunResult:
+    """What an executor hands back: commit records by task index, failures, engine time."""
+
+    records: dict[int, dict] = field(default_factory=dict)
+    failed: list[dict] = field(default_factory=list)
+    engines: int = 0
+    engine_start_seconds: float = 0.0
+    pipeline_seconds: float = 0.0
+    engine_seconds: float = 0.0  # busy time of the average engine
+
+
+def _reporter(bar):
+    """A thread-safe progress callback that feeds the bar rows and tokens/s."""
+    lock = threading.Lock()
+    started = time.perf_counter()
+    tokens = 0
+
+    def progress(step: dict) -> None:
+        nonlocal tokens
+        with lock:  # several pipelines report from their writer threads
+            tokens += step["tokens"]
+            bar.update(step["rows"])
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tok/s", refresh=False)
+
+    return progress
+
+
+def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
+    """The local executor: the given engine, or engine.data_parallel engines of our own."""
+    result = RunResult()
+    engines = [engine] if engine is not None else []
+    own = engine is None and bool(pending)
+    try:
+        if own:
+            t0 = time.perf_counter()
+            replicas = min(p.spec.engine.data_parallel, len(pending))
+            for i in range(replicas):  # appended one by one, so a failed start still closes the others
+                engines.append(make_engine(p, i, replicas))
+            result.engine_start_seconds = time.perf_counter() - t0
+        task_queue: queue.Queue = queue.Queue()
+        for t in pending:
+            task_queue.put(t)
+        stop = threading.Event()
+        pipelines = [Pipeline(p, e, task_queue, progress, stop) for e in engines]
+        t0 = time.perf_counter()
+        try:
+            if pipelines:
+                _run_all(pipelines)
+        finally:
+            result.pipeline_seconds = time.perf_counter() - t0
+    finally:
+        if own:
+            for e in engines:
+                e.close()
+    result.records = {k: v for pl in pipelines for k, v in pl.records.items()}
+    result.failed = [f for pl in pipelines for f in pl.failed]
+    result.engines = len(pipelines)
+    result.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, len(pipelines))
+    return result
+
+
 def _run_all(pipelines: list[Pipeline]) -> None:
     """Run the pipelines, one per engine, each in its own thread (the first in this one)."""
     errors: list[BaseException] = []
@@ -276,68 +338,40 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         for name in (SUCCESS, MANIFEST):
             remove(fs, f"{root}/{name}")
 
-    engines = [engine] if engine is not None else []
-    own_engines = engine is None and bool(pending)
     if engine is not None and pending and engine.key != (key := _engine_key(p)):
         raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
-    pipelines: list[Pipeline] = []
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
+               dynamic_ncols=True, smoothing=0.1)
     try:
-        if own_engines:
-            t0 = time.perf_counter()
-            replicas = min(spec.engine.data_parallel, len(pending))
-            for i in range(replicas):  # appended one by one, so a failed start still closes the others
-                engines.append(make_engine(p, i, replicas))
-            stats.engine_start_seconds = time.perf_counter() - t0
-        from tqdm import tqdm
+        if spec.executor == "ray" and pending:
+            from .ray_executor import run_on_ray
 
-        bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
-                   dynamic_ncols=True, smoothing=0.1)
-        run_started = time.perf_counter()
-        tokens = 0
-        lock = threading.Lock()
-
-        def progress(step: dict) -> None:
-            nonlocal tokens
-            with lock:  # several pipelines report from their writer threads
-                tokens += step["tokens"]
-                bar.update(step["rows"])
-                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - run_started, 1e-9):,.0f} tok/s",
-                                    refresh=False)
-
-        task_queue: queue.Queue = queue.Queue()
-        for t in pending:
-            task_queue.put(t)
-        stop = threading.Event()
-        pipelines = [Pipeline(p, e, task_queue, progress, stop) for e in engines]
-        try:
-            if pipelines:
-                _run_all(pipelines)
-        finally:
-            bar.close()
-            stats.pipeline_seconds = time.perf_counter() - run_started
+            result = run_on_ray(p, pending, _reporter(bar))
+        else:
+            result = _run_local(p, engine, pending, _reporter(bar))
     except BatchembedError:
         raise
     except Exception as e:  # noqa: BLE001 - anything else is a failed run, with its cause named
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
-        if own_engines:
-            for e in engines:
-                e.close()
-    for pipeline in pipelines:
-        for r in pipeline.records.values():
-            stats.add(r)
-            stats.rows_run += r["rows"]
-            stats.tokens_run += r["tokens"]
-        stats.tasks_run += len(pipeline.records)
-    stats.engines = len(pipelines)
-    # busy time per engine, averaged: the idle share is that of the average engine
-    stats.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, len(pipelines))
-    pipeline_failed = [f for pl in pipelines for f in pl.failed]
+        bar.close()
+    for r in result.records.values():
+        stats.add(r)
+        stats.rows_run += r["rows"]
+        stats.tokens_run += r["tokens"]
+    stats.tasks_run = len(result.records)
+    stats.engines = result.engines
+    stats.engine_start_seconds = result.engine_start_seconds
+    stats.pipeline_seconds = result.pipeline_seconds
+    stats.engine_seconds = result.engine_seconds
+    pipeline_failed = result.failed
 
     failed = p.failed + pipeline_failed
     stats.failed = len(failed)
     stats.seconds = time.perf_counter() - started
-    run_records = {k: v for pl in pipelines for k, v in pl.records.items()}
+    run_records = result.records
     records = {**state.done, **run_records}
     if shard is not None:
         # Other shards may have committed since this one started: the last to finish finalises.

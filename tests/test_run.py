@@ -197,3 +197,21 @@ def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
     assert finalize_job(make_job(tmp_path / "in", tmp_path / "sharded")).rows == 24
     with pytest.raises(JobError, match="--overwrite with a shard"):
         run_job(sharded[0], engine=engine, overwrite=True, show_progress=False)
+
+
+def test_ray_executor_on_a_local_ray(tmp_path, st_model):
+    """executor: ray, one engine actor on a local Ray instance: same rows, same vectors, same commits."""
+    texts = [f"ray row {i} " + "actors embed parts " * (i % 5 + 1) for i in range(40)]
+    for k in range(2):
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 20, k * 20 + 20)),
+                                                          "text": texts[k * 20:(k + 1) * 20]})
+    spec = make_job(tmp_path / "in", tmp_path / "out", executor="ray",
+                    ray={"engines": 1, "num_cpus_per_engine": 1})
+    stats = run_job(spec, show_progress=False)
+    assert stats.tasks_run == 2 and stats.engines == 1 and stats.rows == 40
+    out = read_output(tmp_path / "out")
+    assert out.column("id").to_pylist() == list(range(40))
+    ref = st_model.encode(texts, normalize_embeddings=True)
+    assert float((vectors(out, "embedding") * ref).sum(axis=1).min()) > 0.9999
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+    assert run_job(spec, show_progress=False).tasks_run == 0  # resume works the same
