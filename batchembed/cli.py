@@ -171,10 +171,40 @@ def finalize(job_file, overrides):
     click.echo(f"finalized {spec.output.uri}: {stats.tasks_skipped} parts, {stats.rows:,} rows")
 
 
+def _storage_options(options) -> dict:
+    opts = {}
+    for o in options:
+        k, sep, v = o.partition("=")
+        if not sep:
+            raise click.UsageError(f"--storage-option {o!r}: expected KEY=VALUE")
+        opts[k] = v
+    return opts
+
+
+_storage_option = click.option("--storage-option", "options", multiple=True, metavar="KEY=VALUE",
+                               help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333. Repeatable.")
+
+
 @cli.command()
 @click.argument("output_uri")
-@click.option("--storage-option", "options", multiple=True, metavar="KEY=VALUE",
-              help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333. Repeatable.")
+@_storage_option
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def inspect(output_uri, options, as_json):
+    """Show what an output holds: rows, columns, dimensions, norm statistics, a few rows, the manifest.
+
+    \b
+      batchembed inspect out/quickstart-emb/
+      batchembed inspect s3://corpus/wiki-emb/ --json
+    """
+    from .inspect_output import inspect_output, render
+
+    info = inspect_output(output_uri, _storage_options(options))
+    click.echo(json.dumps(info, indent=2, default=str) if as_json else render(info))
+
+
+@cli.command()
+@click.argument("output_uri")
+@_storage_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify(output_uri, options, as_json):
     """Check an output against its manifest: parts, row counts, dimensions, norms.
@@ -186,13 +216,7 @@ def verify(output_uri, options, as_json):
     """
     from .verify import verify_output
 
-    opts = {}
-    for o in options:
-        k, sep, v = o.partition("=")
-        if not sep:
-            raise click.UsageError(f"--storage-option {o!r}: expected KEY=VALUE")
-        opts[k] = v
-    problems, summary = verify_output(output_uri, opts)
+    problems, summary = verify_output(output_uri, _storage_options(options))
     if as_json:
         click.echo(json.dumps({**summary, "problems": problems}, indent=2))
     else:

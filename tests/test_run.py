@@ -215,3 +215,22 @@ def test_ray_executor_on_a_local_ray(tmp_path, st_model):
     assert float((vectors(out, "embedding") * ref).sum(axis=1).min()) > 0.9999
     assert (tmp_path / "out" / "_SUCCESS").exists()
     assert run_job(spec, show_progress=False).tasks_run == 0  # resume works the same
+
+
+def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
+    from click.testing import CliRunner
+
+    from batchembed.cli import cli
+
+    write_parquet(tmp_path / "in.parquet", pa.table({"id": [1, 2, 3], "text": pa.array(["a", None, "c"])}))
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [384, 64]}),
+            engine=engine, show_progress=False)
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["rows"] == 3 and info["finished"] is True and info["manifest"]["counts"]["nulls"] == 1
+    cols = {c["name"]: c for c in info["columns"]}
+    assert cols["embedding_64"]["dim"] == 64 and cols["embedding_64"]["vectors_checked"] == 2
+    assert abs(cols["embedding_64"]["norm_min"] - 1) < 1e-3 and len(info["sample"]) == 3
+    text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")]).output
+    assert "3 rows in 1 parts, finished" in text and "embedding_384" in text

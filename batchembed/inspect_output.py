@@ -1,0 +1,87 @@
+"""`batchembed inspect`: what an output holds, for a person or (with --json) a script."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from .errors import RunError
+from .storage import open_fs, read_json, retry
+from .writer import MANIFEST, SUCCESS
+
+
+def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, sample_rows: int = 3,
+                   norm_rows: int = 10_000) -> dict:
+    """Rows, columns, dimensions, dtypes, norm statistics over the first `norm_rows`
+    vectors, a few rows, and the manifest."""
+    fs, root = open_fs(uri, storage_options or {}, "OUTPUT_URI")
+    root = root.rstrip("/")
+    parts = sorted(retry(lambda: fs.glob(f"{root}/part-*.parquet"), uri))
+    if not parts:
+        raise RunError(f"no batchembed parts (part-*.parquet) at {uri}")
+    manifest = read_json(fs, f"{root}/{MANIFEST}")
+    rows = 0
+    schema = None
+    norms: dict[str, list[np.ndarray]] = {}
+    sample: list[dict] = []
+    def enough() -> bool:  # norm statistics need only the first norm_rows vectors
+        return any(sum(len(n) for n in v) >= norm_rows for v in norms.values())
+
+    for path in parts:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            rows += pf.metadata.num_rows
+            schema = schema or pf.schema_arrow
+            vector_cols = [fld.name for fld in pf.schema_arrow if hasattr(fld.type, "list_size")]
+            if enough() and len(sample) >= sample_rows:
+                continue
+            for batch in pf.iter_batches(batch_size=4096):
+                if len(sample) < sample_rows:
+                    for row in batch.slice(0, sample_rows - len(sample)).to_pylist():
+                        sample.append({k: (f"[{', '.join(f'{x:.4f}' for x in v[:4])}, ...] ({len(v)})"
+                                           if isinstance(v, list) and v else v) for k, v in row.items()})
+                for col in vector_cols:
+                    arr = batch.column(col).drop_null()
+                    if len(arr):
+                        m = np.asarray(arr.values.to_numpy(zero_copy_only=False), np.float32).reshape(len(arr), -1)
+                        norms.setdefault(col, []).append(np.linalg.norm(m, axis=1))
+                if enough():
+                    break
+    columns = []
+    for fld in schema:
+        entry = {"name": fld.name, "type": str(fld.type)}
+        if fld.name in norms:
+            n = np.concatenate(norms[fld.name])
+            entry.update(dim=fld.type.list_size, norm_min=float(n.min()), norm_max=float(n.max()),
+                         norm_mean=float(n.mean()), vectors_checked=int(len(n)))
+        columns.append(entry)
+    return {"output": uri, "finished": retry(lambda: fs.exists(f"{root}/{SUCCESS}"), uri), "parts": len(parts),
+            "rows": rows, "columns": columns, "sample": sample, "manifest": manifest}
+
+
+def render(info: dict) -> str:
+    """A plain-text table of an inspect result."""
+    lines = [f"{info['output']}: {info['rows']:,} rows in {info['parts']} parts, "
+             f"{'finished (_SUCCESS)' if info['finished'] else 'NOT finished (no _SUCCESS)'}"]
+    m = info.get("manifest") or {}
+    if m:
+        lines.append(f"model {m['model']['name']} ({m['model']['hash'][:19]}), dtype {m['model']['dtype']}, "
+                     f"max_length {m['model']['max_length']}, prefix {m['model']['prefix']!r}; "
+                     f"made {m.get('created_at')} by batchembed {m['tool']['version']}")
+        c = m["counts"]
+        lines.append(f"counts: {c['rows']:,} rows, {c['embedded']:,} embedded, {c['nulls']:,} null, "
+                     f"{c['truncated']:,} truncated, {c['tokens']:,} tokens")
+    lines.append("")
+    lines.append(f"{'column':<24} {'type':<40} {'norm min':>9} {'norm mean':>9} {'norm max':>9}")
+    for col in info["columns"]:
+        if "dim" in col:
+            lines.append(f"{col['name']:<24} {col['type']:<40} {col['norm_min']:>9.5f} {col['norm_mean']:>9.5f} "
+                         f"{col['norm_max']:>9.5f}")
+        else:
+            lines.append(f"{col['name']:<24} {col['type']:<40}")
+    lines.append("")
+    for row in info["sample"]:
+        lines.append("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return "\n".join(lines)
