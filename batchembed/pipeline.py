@@ -183,7 +183,9 @@ class Pipeline:
                     padded = np.zeros((batch.num_rows, d), dtype=np.float32)
                     padded[tok.valid] = m
                     arrays.append(vector_array(padded, tok.valid, p.spec.embedding.output_dtype))
-                writer.write(pa.Table.from_arrays(arrays, schema=p.output_schema))
+                # by name, then cast by the writer: a carried column may be large_string in one file
+                # and string in another
+                writer.write(pa.Table.from_arrays(arrays, names=writer.schema.names))
                 step = dict(rows=batch.num_rows, embedded=len(tok.ids), tokens=int(tok.lengths.sum()),
                             truncated=int(tok.truncated.sum()), nulls=int((~tok.valid).sum()), empty=tok.empty)
                 for k, v in step.items():

@@ -234,3 +234,11 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     assert abs(cols["embedding_64"]["norm_min"] - 1) < 1e-3 and len(info["sample"]) == 3
     text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")]).output
     assert "3 rows in 1 parts, finished" in text and "embedding_384" in text
+
+
+def test_string_and_large_string_columns_mix_across_files(tmp_path, engine):
+    write_parquet(tmp_path / "in" / "a.parquet", pa.table({"id": pa.array(["a"], pa.string()), "text": ["x"]}))
+    write_parquet(tmp_path / "in" / "b.parquet", pa.table({"id": pa.array(["b"], pa.large_string()),
+                                                         "text": pa.array(["y"], pa.large_string())}))
+    run_job(make_job(tmp_path / "in", tmp_path / "out"), engine=engine, show_progress=False)
+    assert read_output(tmp_path / "out").column("id").to_pylist() == ["a", "b"]
