@@ -376,15 +376,12 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if shard is not None:
         # Other shards may have committed since this one started: the last to finish finalises.
         records = {**output_state(p).done, **run_records}
-    unfinished = [t for t in p.tasks if t.index not in records and t.part_name not in
-                  {f.get("part") for f in failed}]
+    unfinished = _missing_parts(p, records, failed)
     if unfinished:
         log.info("shard %s: its parts are committed; %d parts of other shards are pending, and the last "
                  "shard to finish (or `batchembed finalize`) writes the manifest", spec.shard, len(unfinished))
     else:
-        for path in state.stale:
-            remove(fs, path)
-        write_manifest(p, records, stats, failed)
+        _finish(p, state.stale, records, stats, failed)
     if failed:
         raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
                        f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
@@ -396,17 +393,28 @@ def finalize_job(spec: JobSpec) -> Stats:
     """Write the manifest and _SUCCESS of an output whose parts were all committed (by shards)."""
     p = prepare(spec)
     state = output_state(p)
-    missing = [t.part_name for t in p.tasks if t.index not in state.done]
+    missing = _missing_parts(p, state.done, [])
     if missing:
         raise RunError(f"{len(missing)} of {len(p.tasks)} parts are not committed yet (e.g. {missing[0]}); "
                        "run the shards that hold them, then finalize again")
     stats = Stats(tasks_skipped=len(state.done))
     for r in state.done.values():
         stats.add(r)
-    for path in state.stale:
-        remove(p.out_fs, path)
-    write_manifest(p, state.done, stats, [])
+    _finish(p, state.stale, state.done, stats, [])
     return stats
+
+
+def _missing_parts(p: Prepared, records: dict[int, dict], failed: list[dict]) -> list[str]:
+    """Parts neither committed nor recorded as failed: while any remain, no manifest."""
+    failed_parts = {f.get("part") for f in failed}
+    return [t.part_name for t in p.tasks if t.index not in records and t.part_name not in failed_parts]
+
+
+def _finish(p: Prepared, stale: list[str], records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
+    """Remove what no task owns any more, then write the manifest (and _SUCCESS)."""
+    for path in stale:
+        remove(p.out_fs, path)
+    write_manifest(p, records, stats, failed)
 
 
 def _engine_key(p: Prepared):
@@ -418,8 +426,7 @@ def _engine_key(p: Prepared):
 def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
     """The manifest, then _SUCCESS, once every task is committed. With failures: the
     manifest lists them, and no _SUCCESS is written."""
-    failed_parts = {f.get("part") for f in failed}
-    missing = [t.part_name for t in p.tasks if t.index not in records and t.part_name not in failed_parts]
+    missing = _missing_parts(p, records, failed)
     if missing:
         raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
     totals = Stats()
