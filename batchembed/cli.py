@@ -72,8 +72,10 @@ def _load(job_file: str, overrides):
 @_set_option
 @click.option("--shard", metavar="I/N", help="Run only shard I (0-based) of N, e.g. an Airflow map index.")
 @click.option("--overwrite", is_flag=True, help="Replace an output made by a different job instead of refusing.")
+@click.option("--previous", metavar="URI", help="Reuse the vectors of this earlier output for rows whose id and "
+              "text are unchanged (sets incremental.previous).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs and the final summary still print).")
-def run(job_file, overrides, shard, overwrite, no_progress):
+def run(job_file, overrides, shard, overwrite, previous, no_progress):
     """Embed the corpus a job file describes; resumes what is already committed.
 
     \b
@@ -83,13 +85,17 @@ def run(job_file, overrides, shard, overwrite, no_progress):
       batchembed run jobs/quickstart.yaml
       batchembed run job.yaml --set embedding.dimensions=[256,64] --set output.uri=out/
       batchembed run job.yaml --shard 3/16     # one of 16 Airflow tasks
+      batchembed run job.yaml --set output.uri=s3://b/emb/2026-12-02/ --previous s3://b/emb/2026-12-01/
     """
     from .runner import run_job
 
-    spec = _load(job_file, [*overrides, *([f"shard={shard}"] if shard else [])])
+    extra = [*([f"shard={shard}"] if shard else []), *([f"incremental.previous={previous}"] if previous else [])]
+    spec = _load(job_file, [*overrides, *extra])
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
     s = stats.summary()
-    click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, {s['nulls']:,} null, "
+    reuse = (f", {s['reused']:,} reused, {s['deleted']:,} deleted" if spec.incremental else "")
+    click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, "
+               f"{s['deduplicated']:,} duplicates{reuse}, {s['nulls']:,} null, "
                f"{s['truncated']:,} truncated), {s['tokens']:,} tokens; this run: {s['tasks_run']} parts, "
                f"{s['tokens_run']:,} tokens in {s['seconds']:.1f} s ({s['tokens_per_s']:,.0f} tok/s); "
                f"{s['tasks_skipped']} parts already done -> {spec.output.uri}", err=True)

@@ -80,11 +80,20 @@ class EngineSpec(_Strict):
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
+    dedup_cache_mb: int = Field(256, ge=0, description="recent vectors kept by text hash, so a text seen "
+                                "again is not embedded again (identical texts in one window always are "
+                                "embedded once); 0 turns the cache off")
 
 
 class RetrySpec(_Strict):
     attempts: int = Field(6, ge=1, description="tries of each storage operation, the first included")
     backoff_s: float = Field(1.0, ge=0, description="first wait; doubles each try, capped at 30 s")
+
+
+class IncrementalSpec(_Strict):
+    previous: str = Field(description="a finished batchembed output: rows whose id and text are unchanged "
+                          "reuse its vectors")
+    storage_options: dict[str, Any] | None = Field(None, description="default: output.storage_options")
 
 
 class RaySpec(_Strict):
@@ -106,6 +115,7 @@ class JobSpec(_Strict):
     on_error: Literal["fail", "skip"] = Field(
         "fail", description="skip: an unreadable input file is recorded and the rest still run (exit 1)")
     retry: RetrySpec = RetrySpec()
+    incremental: IncrementalSpec | None = None
     executor: Literal["local", "ray"] = "local"
     ray: RaySpec = RaySpec()
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "

@@ -124,6 +124,7 @@ class Engine:
                 else:
                     os.environ[k] = v
         self._params = PoolingParams(task="embed")
+        self.calls = 0  # engine calls made: a run that only reuses vectors makes none
 
     def embed(self, token_ids: list[list[int]]) -> np.ndarray:
         """One engine call. Returns float32 (rows, dimension), each row L2-normalised by the model's pooler."""
@@ -132,6 +133,7 @@ class Engine:
 
         if not token_ids:
             return np.zeros((0, self.dimension), dtype=np.float32)
+        self.calls += 1
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
         outputs = self.llm.encode(prompts, pooling_params=self._params, pooling_task="embed", use_tqdm=False)
         if len(outputs) != len(prompts):

@@ -14,6 +14,8 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,11 +24,12 @@ import pyarrow as pa
 from . import storage
 from .batcher import token_budget_batches
 from .errors import RunError
+from .incremental import TaskIndex, id_keys, text_hashes
 from .matryoshka import reduce
 from .plan import Task
 from .reader import iter_batches, needed_columns
 from .storage import is_transient
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenized, Tokenizer
 from .writer import PartWriter, vector_array
 
 if TYPE_CHECKING:
@@ -39,6 +42,29 @@ def now_utc() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+# counted per part (commit records) and per run (Stats)
+COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "nulls", "empty")
+
+
+@dataclass
+class Window:
+    """One window of a task's rows on its way through the pipeline."""
+
+    hashes: np.ndarray  # uint64 text hash per row
+    valid: np.ndarray  # bool per row: text not null
+    reuse: np.ndarray  # rows whose vectors come from the previous output
+    reused: dict[int, np.ndarray]  # dimension -> (len(reuse), d) vectors
+    need: np.ndarray  # rows to embed (valid, not reused)
+    inverse: np.ndarray  # per need row: its unique text
+    uniq: np.ndarray  # text hashes of the unique texts
+    tok: Tokenized  # of the unique texts
+    matched: int  # rows whose id was found in the previous output
+    empty: int
+    full: np.ndarray | None = None  # (len(uniq), model dimension), set by the engine thread
+    embedded: int = 0  # unique texts the engine embedded (the rest came from the cache)
+    tokens: int = 0
+
+
 _END = object()  # no more work
 _RESET = "reset"  # the task is being read again from its start: drop what was written of it
 _FAILED = "failed"  # the task failed and on_error is skip: drop it, record why
@@ -47,13 +73,20 @@ _FAILED = "failed"  # the task failed and on_error is skip: drop it, record why
 class Pipeline:
     """The three stages of one run, joined by bounded queues.
 
-    Items are (task, batch, tokenized[, vectors]); `batch` None closes the task,
-    _RESET restarts it, _FAILED abandons it.
+    Items are (task, batch, Window); `batch` None closes the task, _RESET restarts it,
+    _FAILED abandons it (the third item is then the error).
     """
 
-    def __init__(self, p: Prepared, engine, tasks: queue.Queue, progress, stop: threading.Event | None = None):
-        """`tasks` may be shared by several pipelines (one per engine), and so may `stop`."""
-        self.p, self.engine, self.tasks, self.progress = p, engine, tasks, progress
+    def __init__(self, p: Prepared, engine_factory, tasks: queue.Queue, progress,
+                 stop: threading.Event | None = None):
+        """`engine_factory()` gives the engine, called on the first window that needs one (a run
+        that only reuses vectors never loads it). `tasks` may be shared by several pipelines
+        (one per engine), and so may `stop`."""
+        self.p, self.engine_factory, self.tasks, self.progress = p, engine_factory, tasks, progress
+        self.engine = None
+        cache_mb = p.spec.engine.dedup_cache_mb
+        self.cache_rows = cache_mb * 2**20 // (4 * p.model.dimension)
+        self.cache: OrderedDict[int, np.ndarray] | None = OrderedDict() if self.cache_rows else None
         self.tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.prefix)
         self.q_in: queue.Queue = queue.Queue(maxsize=4)
         self.q_out: queue.Queue = queue.Queue(maxsize=4)
@@ -89,13 +122,15 @@ class Pipeline:
         spec = self.p.spec.input
         cols = needed_columns(spec)
         policy = storage.policy
+        prev = self.p.previous if self.p.previous is not None and self.p.previous.usable else None
         for attempt in range(1, policy.attempts + 1):
             sent = False
+            index = None
             try:
+                index = TaskIndex(prev, task) if prev is not None else None
                 for batch in iter_batches(self.p.in_fs, task.file, list(task.row_groups), cols,
                                           self.p.spec.engine.sort_window_rows):
-                    texts = batch.column(spec.text_column).to_pylist()
-                    if not self._put(self.q_in, (task, batch, self.tokenizer(texts))):
+                    if not self._put(self.q_in, (task, batch, self._plan(batch, index))):
                         return False
                     sent = True
                 return self._put(self.q_in, (task, None, None))
@@ -115,7 +150,67 @@ class Pipeline:
                 if sent and not self._put(self.q_in, (task, _RESET, None)):
                     return False
                 time.sleep(wait)
+            finally:
+                if index is not None:
+                    index.close()
         return False
+
+    def _plan(self, batch: pa.RecordBatch, index: TaskIndex | None) -> Window:
+        """Which rows of a window reuse a previous vector, and the unique texts left to embed."""
+        texts = batch.column(self.p.spec.input.text_column).to_pylist()
+        valid = np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts))
+        hashes = text_hashes(texts)
+        reuse = np.zeros(len(texts), dtype=bool)
+        reused: dict[int, np.ndarray] = {}
+        matched = 0
+        if index is not None:
+            keys, key_valid = id_keys(batch.column(self.p.spec.input.id_column))
+            reuse, pos, matched = index.match(keys, key_valid, hashes, valid)
+            reused = index.vectors(pos[reuse], self.p.dimensions)
+        need = np.flatnonzero(valid & ~reuse)
+        uniq, first, inverse = np.unique(hashes[need], return_index=True, return_inverse=True)
+        tok = self.tokenizer([texts[i] for i in need[first]])
+        return Window(hashes=hashes, valid=valid, reuse=np.flatnonzero(reuse), reused=reused, need=need,
+                      inverse=inverse.reshape(-1), uniq=uniq, tok=tok, matched=matched,
+                      empty=sum(1 for t in texts if t == ""))
+
+    def _engine(self):
+        if self.engine is None:
+            self.engine = self.engine_factory()
+        return self.engine
+
+    def _embed_window(self, w: Window) -> None:
+        """Vectors for the window's unique texts: from the cache of recent ones, or from the engine."""
+        full = np.empty((len(w.uniq), self.p.model.dimension), dtype=np.float32)
+        cache = self.cache
+        todo = []
+        for i, h in enumerate(w.uniq.tolist()):
+            v = cache.get(h) if cache is not None else None
+            if v is None:
+                todo.append(i)
+            else:
+                cache.move_to_end(h)
+                full[i] = v
+        todo_idx = np.asarray(todo, dtype=np.int64)
+        if len(todo_idx):
+            engine = self._engine()
+            t0 = time.perf_counter()
+            # One call per window, rows in token-budget batch order: vLLM's scheduler then
+            # runs our batches as its steps back to back, without a Python round trip
+            # between batches (measured in notes/performance.md).
+            lengths = w.tok.lengths[todo_idx]
+            batches = token_budget_batches(lengths, engine.token_budget, engine.max_batch_rows)
+            order = todo_idx[np.concatenate(batches)]
+            full[order] = engine.embed([w.tok.ids[i] for i in order])
+            self.engine_seconds += time.perf_counter() - t0
+            if cache is not None:
+                for i in todo:
+                    cache[int(w.uniq[i])] = full[i].copy()
+                while len(cache) > self.cache_rows:
+                    cache.popitem(last=False)
+        w.full = full
+        w.embedded = len(todo_idx)
+        w.tokens = int(w.tok.lengths[todo_idx].sum()) if len(todo_idx) else 0
 
     def read_and_tokenise(self) -> None:
         try:
@@ -136,19 +231,8 @@ class Pipeline:
             if item is _END:
                 self._put(self.q_out, _END)
                 return
-            task, batch, tok = item
-            if isinstance(batch, pa.RecordBatch):
-                full = np.zeros((len(tok.ids), self.engine.dimension), dtype=np.float32)
-                t0 = time.perf_counter()
-                # One call per window, rows in token-budget batch order: vLLM's scheduler then
-                # runs our batches as its steps back to back, without a Python round trip
-                # between batches (measured in notes/performance.md).
-                batches = token_budget_batches(tok.lengths, self.engine.token_budget, self.engine.max_batch_rows)
-                if batches:
-                    order = np.concatenate(batches)
-                    full[order] = self.engine.embed([tok.ids[i] for i in order])
-                self.engine_seconds += time.perf_counter() - t0
-                item = (task, batch, tok, full)
+            if isinstance(item[1], pa.RecordBatch):
+                self._embed_window(item[2])
             if not self._put(self.q_out, item):
                 return
 
@@ -162,32 +246,38 @@ class Pipeline:
                 item = self._get(self.q_out)
                 if item is _END:
                     return
-                task, batch, tok = item[:3]
+                task, batch, w = item
                 if isinstance(batch, str):  # _RESET or _FAILED
                     if writer is not None:
                         writer.discard()
                         self.progress(dict(rows=-counts["rows"], tokens=-counts["tokens"]))
                         writer = None
                     if batch == _FAILED:
-                        self.failed.append({"file": task.file.url, "part": task.part_name, "error": tok})
+                        self.failed.append({"file": task.file.url, "part": task.part_name, "error": w})
                     continue
                 if writer is None:
                     writer = PartWriter(task, p.output_schema, p.spec.output.compression)
-                    counts = dict(rows=0, embedded=0, tokens=0, truncated=0, nulls=0, empty=0)
+                    counts = dict.fromkeys(COUNTS, 0)
                 if batch is None:
                     self._commit(writer, counts)
                     writer = None
                     continue
                 arrays = [batch.column(c) for c in keep]
-                for d, m in reduce(item[3], p.dimensions).items():
-                    padded = np.zeros((batch.num_rows, d), dtype=np.float32)
-                    padded[tok.valid] = m
-                    arrays.append(vector_array(padded, tok.valid, p.spec.embedding.output_dtype))
+                arrays.append(pa.array(w.hashes, type=pa.uint64(), mask=~w.valid))
+                embedded = reduce(w.full[w.inverse], p.dimensions)
+                for d in p.dimensions:
+                    matrix = np.zeros((batch.num_rows, d), dtype=np.float32)
+                    matrix[w.need] = embedded[d]
+                    if len(w.reuse):
+                        matrix[w.reuse] = w.reused[d]
+                    arrays.append(vector_array(matrix, w.valid, p.spec.embedding.output_dtype))
                 # by name, then cast by the writer: a carried column may be large_string in one file
                 # and string in another
                 writer.write(pa.Table.from_arrays(arrays, names=writer.schema.names))
-                step = dict(rows=batch.num_rows, embedded=len(tok.ids), tokens=int(tok.lengths.sum()),
-                            truncated=int(tok.truncated.sum()), nulls=int((~tok.valid).sum()), empty=tok.empty)
+                step = dict(rows=batch.num_rows, embedded=w.embedded, reused=len(w.reuse),
+                            deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
+                            truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
+                            empty=w.empty)
                 for k, v in step.items():
                     counts[k] += v
                 self.progress(step)

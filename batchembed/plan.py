@@ -76,7 +76,9 @@ class JobFingerprint:
     columns: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model_hash": self.model_hash, "dimensions": list(self.dimensions),
+        from .incremental import LAYOUT
+
+        return {"layout": LAYOUT, "model_hash": self.model_hash, "dimensions": list(self.dimensions),
                 "output_dtype": self.output_dtype, "dtype": self.dtype, "max_length": self.max_length,
                 "prefix": self.prefix, "columns": self.columns}
 

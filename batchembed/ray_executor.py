@@ -48,7 +48,7 @@ class EngineWorker:
         tasks: queue.Queue = queue.Queue()
         tasks.put(task)
         steps: list[dict] = []
-        pipeline = Pipeline(self.p, self.engine, tasks, steps.append)
+        pipeline = Pipeline(self.p, lambda: self.engine, tasks, steps.append)
         pipeline.run()
         return {"records": list(pipeline.records.values()), "failed": pipeline.failed,
                 "engine_seconds": pipeline.engine_seconds}

@@ -17,7 +17,8 @@ from .config import JobSpec
 from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
 from .model import ModelInfo, model_content_hash, read_model_info
-from .pipeline import Pipeline, now_utc
+from .incremental import TEXT_HASH, Previous, copy_parts, open_previous
+from .pipeline import COUNTS, Pipeline, now_utc
 from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
@@ -44,12 +45,14 @@ class Prepared:
     fingerprint: JobFingerprint
     warnings: list[str] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)  # unreadable inputs, with on_error: skip
+    previous: Previous | None = None  # incremental: the output whose vectors may be reused
 
     @property
     def output_schema(self) -> pa.Schema:
         schema = self.files[0].schema
         cols = [c for c in [self.spec.input.id_column, *self.spec.input.carry_columns] if c]
         fields = [schema.field(c) for c in dict.fromkeys(cols)]
+        fields.append(pa.field(TEXT_HASH, pa.uint64()))
         names = column_names(self.dimensions)
         fields += [pa.field(names[d], vector_type(d, self.spec.embedding.output_dtype)) for d in self.dimensions]
         return pa.schema(fields)
@@ -88,6 +91,12 @@ def prepare(spec: JobSpec) -> Prepared:
     if not files:
         raise RunError(f"no input file could be read ({len(failed)} failed), e.g. {failed[0]['error']}")
     tasks = make_tasks(files, spec.output.rows_per_part)
+    ours = {*column_names(dims).values(), TEXT_HASH}
+    clash = [c for c in [spec.input.id_column, *spec.input.carry_columns] if c in ours]
+    if clash:
+        key = "input.id_column" if clash[0] == spec.input.id_column else "input.carry_columns"
+        raise JobError(f"{key}: {clash[0]!r} is also the name of an output column batchembed writes "
+                       f"({', '.join(sorted(ours))}); rename it in the input or leave it out")
     out_fs, out_root = open_fs(spec.output.uri, spec.output.storage_options, "output.uri")
     out_root = out_root.rstrip("/")
     fp = JobFingerprint(
@@ -100,9 +109,15 @@ def prepare(spec: JobSpec) -> Prepared:
         columns={"text": spec.input.text_column, "id": spec.input.id_column,
                  "carry": list(spec.input.carry_columns)},
     )
+    previous = None
+    if spec.incremental is not None:
+        inc = spec.incremental
+        options = inc.storage_options if inc.storage_options is not None else spec.output.storage_options
+        previous = open_previous(inc.previous, options, fp, spec.input.id_column, full_url(out_fs, out_root))
     for w in warnings:
         log.warning(w)
-    return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings, failed)
+    return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings, failed,
+                    previous)
 
 
 def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:
@@ -186,8 +201,19 @@ def output_state(p: Prepared) -> OutputState:
 
 @dataclass
 class Stats:
+    """Counts over the whole output (parts done before included) and figures of this run.
+
+    rows = embedded + deduplicated + reused + nulls: `embedded` rows went through the
+    engine, `deduplicated` ones had the same text as a row embedded in this run,
+    `reused` ones took the previous output's vector (incremental), and `deleted`
+    counts rows of the previous output whose id is gone. `tokens` are engine tokens.
+    """
+
     rows: int = 0
     embedded: int = 0
+    reused: int = 0
+    deduplicated: int = 0
+    deleted: int = 0
     tokens: int = 0
     truncated: int = 0
     nulls: int = 0
@@ -204,8 +230,9 @@ class Stats:
     engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
 
     def add(self, other: dict) -> None:
-        for k in ("rows", "embedded", "tokens", "truncated", "nulls", "empty"):
-            setattr(self, k, getattr(self, k) + int(other.get(k, 0)))
+        for k in COUNTS:
+            if k != "matched":
+                setattr(self, k, getattr(self, k) + int(other.get(k, 0)))
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -218,10 +245,14 @@ class Stats:
         return d
 
 
+_ENGINE_START = threading.Lock()  # engines start one at a time: placement goes through os.environ
+
+
 def make_engine(p: Prepared, replica: int = 0, replicas: int = 1):
     from .engine import Engine
 
-    return Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
+    with _ENGINE_START:
+        return Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
 
 
 @dataclass
@@ -253,36 +284,44 @@ def _reporter(bar):
 
 
 def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
-    """The local executor: the given engine, or engine.data_parallel engines of our own."""
+    """The local executor: the given engine, or engine.data_parallel engines of our own, each
+    started by its pipeline when a window first needs it (reading starts meanwhile, and a
+    run that only reuses vectors never loads one)."""
     result = RunResult()
-    engines = [engine] if engine is not None else []
-    own = engine is None and bool(pending)
-    try:
-        if own:
+    started: list = []
+    lock = threading.Lock()
+    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(pending))
+
+    def factory(i: int):
+        def make():
+            if engine is not None:
+                return engine
             t0 = time.perf_counter()
-            replicas = min(p.spec.engine.data_parallel, len(pending))
-            for i in range(replicas):  # appended one by one, so a failed start still closes the others
-                engines.append(make_engine(p, i, replicas))
-            result.engine_start_seconds = time.perf_counter() - t0
-        task_queue: queue.Queue = queue.Queue()
-        for t in pending:
-            task_queue.put(t)
-        stop = threading.Event()
-        pipelines = [Pipeline(p, e, task_queue, progress, stop) for e in engines]
-        t0 = time.perf_counter()
-        try:
-            if pipelines:
-                _run_all(pipelines)
-        finally:
-            result.pipeline_seconds = time.perf_counter() - t0
+            e = make_engine(p, i, replicas)
+            with lock:
+                started.append(e)
+                result.engine_start_seconds = max(result.engine_start_seconds, time.perf_counter() - t0)
+            return e
+
+        return make
+
+    task_queue: queue.Queue = queue.Queue()
+    for t in pending:
+        task_queue.put(t)
+    stop = threading.Event()
+    pipelines = [Pipeline(p, factory(i), task_queue, progress, stop) for i in range(replicas if pending else 0)]
+    t0 = time.perf_counter()
+    try:
+        if pipelines:
+            _run_all(pipelines)
     finally:
-        if own:
-            for e in engines:
-                e.close()
+        result.pipeline_seconds = time.perf_counter() - t0 - result.engine_start_seconds
+        for e in started:
+            e.close()
     result.records = {k: v for pl in pipelines for k, v in pl.records.items()}
     result.failed = [f for pl in pipelines for f in pl.failed]
-    result.engines = len(pipelines)
-    result.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, len(pipelines))
+    result.engines = sum(pl.engine is not None for pl in pipelines)
+    result.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, result.engines)
     return result
 
 
@@ -342,6 +381,9 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
     from tqdm import tqdm
 
+    copied: dict[int, dict] = {}
+    if p.previous is not None and pending:
+        copied, pending = copy_parts(p.previous, pending, fs, root, _record_base(p))
     bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
                dynamic_ncols=True, smoothing=0.1)
     try:
@@ -357,6 +399,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
         bar.close()
+    result.records.update(copied)
     for r in result.records.values():
         stats.add(r)
         stats.rows_run += r["rows"]
@@ -423,15 +466,28 @@ def _engine_key(p: Prepared):
     return EngineKey(str(p.model.path), p.spec.model.dtype, p.max_length)
 
 
+def _record_base(p: Prepared) -> dict:
+    return {"job": {**p.fingerprint.as_dict(), "digest": p.fingerprint.digest}, "committed_at": now_utc()}
+
+
+def _totals(p: Prepared, records: dict[int, dict]) -> Stats:
+    """Counts over the given commit records; `deleted` against the previous output."""
+    totals = Stats()
+    for r in records.values():
+        totals.add(r)
+    if p.previous is not None:
+        totals.deleted = max(0, p.previous.rows - sum(int(r.get("matched", 0)) for r in records.values()))
+    return totals
+
+
 def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
     """The manifest, then _SUCCESS, once every task is committed. With failures: the
     manifest lists them, and no _SUCCESS is written."""
     missing = _missing_parts(p, records, failed)
     if missing:
         raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
-    totals = Stats()
-    for r in records.values():
-        totals.add(r)
+    totals = _totals(p, records)
+    stats.deleted = totals.deleted
     spec = p.spec
     manifest = {
         "tool": {"name": "batchembed", "version": __version__},
@@ -443,12 +499,15 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                   "dtype": spec.model.dtype, "max_length": p.max_length, "prefix": spec.model.prefix,
                   "is_matryoshka": p.model.is_matryoshka},
         "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
-                      "output_dtype": spec.embedding.output_dtype, "normalised": "l2"},
+                      "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH},
         "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "id_column": spec.input.id_column,
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
-        "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "tokens", "truncated", "nulls", "empty")},
-        "parts": [{"name": records[t.index]["part"], "rows": records[t.index]["rows"],
-                   "input": records[t.index]["input"]} for t in p.tasks if t.index in records],
+        "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "reused", "deduplicated", "deleted",
+                                                   "tokens", "truncated", "nulls", "empty")},
+        "incremental": p.previous.summary() if p.previous is not None else None,
+        "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
+                   "counts": {k: r.get(k, 0) for k in COUNTS if k not in ("rows", "matched")}}
+                  for t in p.tasks if (r := records.get(t.index))],
         "failed": failed,
         "last_run": stats.summary(),
     }

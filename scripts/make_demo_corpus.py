@@ -1,11 +1,13 @@
 """Build a corpus of real English text available offline: the docstrings of the
 Python standard library, read with `ast` (nothing is imported), as Parquet.
 
-    python scripts/make_demo_corpus.py OUT_DIR [--rows N] [--files K] [--repeat R]
+    python scripts/make_demo_corpus.py OUT_DIR [--rows N] [--files K] [--min-chars C]
 
 Writes OUT_DIR/docs-0000.parquet ... with columns id (int64), title (string),
-text (string), in a fixed order, so every run makes the same corpus. --repeat
-makes a larger corpus by cycling the docstrings (ids stay unique).
+text (string), in a fixed order, so every run makes the same corpus. More rows
+than docstrings cycle through them, each cycle's texts numbered ("2. ...") so
+every text stays unique: batchembed embeds a repeated text once, which would
+flatter it in a benchmark.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main(argv=None) -> int:
     if not pool:
         print("no docstrings found in the standard library", file=sys.stderr)
         return 1
-    rows = [pool[i % len(pool)] for i in range(args.rows)]
+    rows = [pool[i % len(pool)] if i < len(pool) else
+            (pool[i % len(pool)][0], f"{i // len(pool) + 1}. {pool[i % len(pool)][1]}") for i in range(args.rows)]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("docs-*.parquet"):

@@ -23,7 +23,7 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     assert rc == 0, stderr[-3000:]
     summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
     assert summary["rows"] == 3 and summary["nulls"] == 1 and summary["tokens"] > 0
-    assert "3 rows (2 embedded, 1 null" in stderr
+    assert "3 rows (2 embedded, 0 duplicates, 1 null" in stderr
     assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
     assert (tmp_path / "out" / "_SUCCESS").exists()
 

@@ -50,7 +50,7 @@ def test_matryoshka_columns_equal_normalise_truncate_full(tmp_path, engine):
     run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [384, 128, 32]}),
             engine=engine, show_progress=False)
     out = read_output(tmp_path / "out")
-    assert out.column_names == ["id", "embedding_384", "embedding_128", "embedding_32"]
+    assert out.column_names == ["id", "text_hash", "embedding_384", "embedding_128", "embedding_32"]
     assert out.schema.field("embedding_128").type == pa.list_(pa.float32(), 128)
     full = vectors(out, "embedding_384")
     for d in (128, 32):
@@ -153,7 +153,7 @@ def test_output_of_a_different_job_is_not_mixed(tmp_path, engine):
     with pytest.raises(JobError, match="different job.*dimensions"):
         run_job(other, engine=engine, show_progress=False)
     run_job(other, engine=engine, overwrite=True, show_progress=False)
-    assert read_output(tmp_path / "out").column_names == ["id", "embedding"]
+    assert read_output(tmp_path / "out").column_names == ["id", "text_hash", "embedding"]
     assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
     assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 1
 

@@ -83,6 +83,32 @@ def test_s3_in_and_out_with_env_credentials(tmp_path, s3_env, engine):
     assert run_job(spec, engine=engine, show_progress=False).tasks_run == 0
 
 
+def test_incremental_run_with_its_previous_output_on_s3(s3_env, engine):
+    fs = s3_env.fs()
+    corpus(fs, "corpus/inc/in", files=3, rows=20)
+    first = JobSpec.model_validate(s3_job("inc", s3_env.endpoint))
+    run_job(first, engine=engine, show_progress=False)
+    # one file changes one row, the others stay as they were
+    put_parquet(fs, "corpus/inc/in/f01.parquet",
+                {"id": list(range(1000, 1020)),
+                 "text": ["an edited row"] + [f"document {i} " + "lorem ipsum dolor " * 12 for i in range(1001, 1020)]},
+                row_group_size=10)
+    job = s3_job("inc", s3_env.endpoint, incremental={"previous": "s3://corpus/inc/out/"})
+    job["output"]["uri"] = "s3://corpus/inc/out2/"
+    stats = run_job(JobSpec.model_validate(job), engine=engine, show_progress=False)
+    assert (stats.rows, stats.embedded, stats.reused, stats.deleted) == (60, 1, 59, 0)
+    # the two unchanged files' parts were copied on the server, the changed one rewritten
+    records = [json.loads(fs.cat(p)) for p in fs.glob("corpus/inc/out2/_commits/*.json")]
+    assert sorted(bool(r.get("copied_from")) for r in records) == [False, True, True]
+    old, new = read_s3_output(fs, "corpus/inc/out"), read_s3_output(fs, "corpus/inc/out2")
+    assert new.column("id").to_pylist() == old.column("id").to_pylist()
+    changed = [i for i, (a, b) in enumerate(zip(old.column("embedding").to_pylist(),
+                                                 new.column("embedding").to_pylist())) if a != b]
+    assert changed == [20]
+    problems, _ = verify_output("s3://corpus/inc/out2/", {"endpoint_url": s3_env.endpoint})
+    assert problems == []
+
+
 def test_server_restart_mid_run_is_retried_and_the_run_completes(s3_env, engine):
     fs = s3_env.fs()
     ids = corpus(fs, "corpus/restart/in", files=8, rows=120, words=30)

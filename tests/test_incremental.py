@@ -1,0 +1,134 @@
+"""Reindexing (incremental.previous): reuse what did not change, embed what did, drop what is gone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from helpers import make_job, read_output, write_parquet
+
+from batchembed.errors import JobError
+from batchembed.matryoshka import l2_normalise
+from batchembed.runner import run_job
+
+
+def _corpus(root, files=2, rows=100, changed=None, deleted=(), added=()):
+    """`files` files of `rows` rows with unique texts; `changed` ids get new text."""
+    changed = changed or {}
+    for k in range(files):
+        ids = [k * rows + i for i in range(rows) if k * rows + i not in deleted]
+        texts = [changed.get(i, f"document {i} about topic {i % 17}, written in file {k}") for i in ids]
+        if k == files - 1:
+            ids += [a for a in added]
+            texts += [f"a new document {a}" for a in added]
+        write_parquet(root / f"f{k}.parquet", {"id": ids, "text": texts}, row_group_size=37)
+
+
+def _vectors(out, column="embedding"):
+    t = read_output(out)
+    return dict(zip(t.column("id").to_pylist(), np.asarray(t.column(column).to_pylist(), dtype=np.float32)))
+
+
+def test_unchanged_corpus_makes_no_engine_call_and_gives_identical_vectors(tmp_path, engine):
+    _corpus(tmp_path / "in")
+    run_job(make_job(tmp_path / "in", tmp_path / "v1"), engine=engine, show_progress=False)
+    calls = engine.calls
+    spec = make_job(tmp_path / "in", tmp_path / "v2", incremental={"previous": str(tmp_path / "v1")})
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert engine.calls == calls
+    assert (stats.rows, stats.reused, stats.embedded, stats.deleted, stats.tokens_run) == (200, 200, 0, 0, 0)
+    assert read_output(tmp_path / "v2").equals(read_output(tmp_path / "v1"))
+    m = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    assert m["incremental"]["previous"].endswith("v1") and m["incremental"]["reuse"] is True
+    assert m["counts"]["reused"] == 200 and (tmp_path / "v2" / "_SUCCESS").exists()
+
+
+def test_changed_rows_are_the_only_ones_embedded(tmp_path, engine):
+    _corpus(tmp_path / "in")
+    run_job(make_job(tmp_path / "in", tmp_path / "v1", embedding={"dimensions": [384, 128]}),
+            engine=engine, show_progress=False)
+    old = _vectors(tmp_path / "v1", "embedding_384")
+    # 1 % of the rows change, three are deleted, four are added
+    changed = {5: "an edited text", 150: "another edited text"}
+    _corpus(tmp_path / "in", changed=changed, deleted={7, 8, 120}, added=(1000, 1001, 1002, 1003))
+    spec = make_job(tmp_path / "in", tmp_path / "v2", embedding={"dimensions": [384, 128]},
+                    incremental={"previous": str(tmp_path / "v1")})
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert (stats.embedded, stats.reused, stats.deleted, stats.rows) == (6, 195, 3, 201)
+    new = _vectors(tmp_path / "v2", "embedding_384")
+    assert sorted(new) == sorted(set(range(200)) - {7, 8, 120} | {1000, 1001, 1002, 1003})
+    for i in set(new) & set(old) - set(changed):
+        assert np.array_equal(new[i], old[i])  # reused exactly
+    full = make_job(tmp_path / "in", tmp_path / "full", embedding={"dimensions": [384, 128]})
+    run_job(full, engine=engine, show_progress=False)
+    fresh = _vectors(tmp_path / "full", "embedding_384")
+    for i in new:  # the snapshot equals a full run, row for row
+        assert float(new[i] @ fresh[i]) > 0.9999
+    assert float(new[5] @ old[5]) < 0.99  # the edited row was really embedded again
+    small, small_fresh = _vectors(tmp_path / "v2", "embedding_128"), _vectors(tmp_path / "full", "embedding_128")
+    assert all(float(small[i] @ small_fresh[i]) > 0.9999 for i in new)
+    m = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    assert {k: m["counts"][k] for k in ("embedded", "reused", "deleted")} == {"embedded": 6, "reused": 195,
+                                                                               "deleted": 3}
+    # the next snapshot may ask for a smaller dimension: cut from the stored 384 and renormalised
+    spec = make_job(tmp_path / "in", tmp_path / "v3", embedding={"dimensions": [256]},
+                    incremental={"previous": str(tmp_path / "v2")})
+    calls = engine.calls
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert (stats.embedded, stats.reused, engine.calls) == (0, 201, calls)
+    cut = _vectors(tmp_path / "v3")
+    for i in cut:
+        assert np.allclose(cut[i], l2_normalise(new[i][None, :256])[0], atol=1e-6)
+
+
+def test_changed_prefix_or_model_refuses_reuse_and_says_why(tmp_path, engine, caplog):
+    _corpus(tmp_path / "in", files=1, rows=20)
+    run_job(make_job(tmp_path / "in", tmp_path / "v1"), engine=engine, show_progress=False)
+    spec = make_job(tmp_path / "in", tmp_path / "v2", model={"prefix": "passage: "},
+                    incremental={"previous": str(tmp_path / "v1")})
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert (stats.reused, stats.embedded) == (0, 20)
+    assert "prefix differs ('' there, 'passage: ' now)" in caplog.text
+    m = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    assert m["incremental"]["reuse"] is False and "prefix" in m["incremental"]["refused"]
+    # a previous made by another model: its manifest names another model hash
+    manifest = json.loads((tmp_path / "v1" / "manifest.json").read_text())
+    manifest["job"]["model_hash"] = "sha256:0000"
+    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
+    spec = make_job(tmp_path / "in", tmp_path / "v3", incremental={"previous": str(tmp_path / "v1")})
+    assert run_job(spec, engine=engine, show_progress=False).reused == 0
+    assert "model_hash differs ('sha256:0000' there" in caplog.text
+
+
+def test_identical_texts_are_embedded_once(tmp_path, engine):
+    texts = ["alpha", "beta", "alpha", None, "alpha", "beta", "gamma", "alpha"]
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(8)), "text": texts})
+    # windows of 3 rows: duplicates in the same window and across windows
+    spec = make_job(tmp_path / "in.parquet", tmp_path / "out", engine={"sort_window_rows": 3})
+    stats = run_job(spec, engine=engine, show_progress=False)
+    assert (stats.embedded, stats.deduplicated, stats.nulls, stats.rows) == (3, 4, 1, 8)
+    t = read_output(tmp_path / "out")
+    vecs = t.column("embedding").to_pylist()
+    assert vecs[3] is None and vecs[0] == vecs[2] == vecs[4] == vecs[7] and vecs[1] == vecs[5]
+    hashes = t.column("text_hash").to_pylist()
+    assert hashes[3] is None and hashes[0] == hashes[2] != hashes[1]
+    # without the cache, only duplicates inside one window are folded
+    spec = make_job(tmp_path / "in.parquet", tmp_path / "out2", engine={"sort_window_rows": 3, "dedup_cache_mb": 0})
+    assert run_job(spec, engine=engine, show_progress=False).embedded > 3
+    assert pq.read_table(next((tmp_path / "out2").glob("part-*"))).column("embedding").to_pylist()[7] == vecs[7]
+
+
+def test_bad_incremental_settings_are_job_errors(tmp_path, engine):
+    _corpus(tmp_path / "in", files=1, rows=5)
+    with pytest.raises(JobError, match="no manifest.json at .*nothing"):
+        run_job(make_job(tmp_path / "in", tmp_path / "v1", incremental={"previous": str(tmp_path / "nothing")}),
+                engine=engine, show_progress=False)
+    with pytest.raises(JobError, match="incremental.previous is output.uri"):
+        run_job(make_job(tmp_path / "in", tmp_path / "v1", incremental={"previous": str(tmp_path / "v1")}),
+                engine=engine, show_progress=False)
+    with pytest.raises(JobError, match="needs input.id_column"):
+        run_job(make_job(tmp_path / "in", tmp_path / "v1", input={"id_column": None},
+                         incremental={"previous": str(tmp_path / "v0")}), engine=engine, show_progress=False)
+    assert not (tmp_path / "v1").exists()
