@@ -41,7 +41,9 @@ def _setup_logging(level: str) -> None:
     # Set through the environment so the engine's child processes obey it too.
     if level.upper() != "DEBUG":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+        # the resource tracker cleans up after os._exit (below) on its own; its note about it is noise
+        os.environ.setdefault("PYTHONWARNINGS",
+                              "ignore::FutureWarning,ignore::UserWarning:multiprocessing.resource_tracker")
         logging.getLogger("vllm").setLevel(logging.ERROR)
 
 

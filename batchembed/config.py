@@ -75,8 +75,9 @@ class EngineSpec(_Strict):
     max_batch_rows: int | None = Field(None, ge=1, description="most rows in one engine step; "
                                        "default 512 on CPU, 4096 on GPU")
     sort_window_rows: int = Field(8192, ge=1, description="rows read, tokenised and length-sorted together")
-    data_parallel: int = Field(1, ge=1, description="engines in this process, pulling parts from one queue: "
-                               "one per GPU (several on one GPU share it), or one per slice of the CPU cores")
+    data_parallel: int = Field(1, ge=1, description="engine processes pulling parts from one queue: one per "
+                               "GPU, or several on one GPU (small models: one engine's Python front end is "
+                               "the limit), or one per slice of the CPU cores")
     enforce_eager: bool = True
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")

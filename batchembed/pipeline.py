@@ -95,6 +95,7 @@ class Pipeline:
         self.records: dict[int, dict] = {}
         self.failed: list[dict] = []
         self.engine_seconds = 0.0
+        self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens) of each engine call
 
     def _put(self, q: queue.Queue, item) -> bool:
         while not self.stop.is_set():
@@ -202,7 +203,9 @@ class Pipeline:
             batches = token_budget_batches(lengths, engine.token_budget, engine.max_batch_rows)
             order = todo_idx[np.concatenate(batches)]
             full[order] = engine.embed([w.tok.ids[i] for i in order])
-            self.engine_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.engine_seconds += t1 - t0
+            self.calls.append((t0, t1, int(lengths.sum())))
             if cache is not None:
                 for i in todo:
                     cache[int(w.uniq[i])] = full[i].copy()

@@ -228,6 +228,7 @@ class Stats:
     engine_start_seconds: float = 0.0  # loading the engine
     pipeline_seconds: float = 0.0  # from the first read to the last commit
     engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
+    steady_tokens_per_s: float | None = None  # while every engine was running (see steady_rate)
 
     def add(self, other: dict) -> None:
         for k in COUNTS:
@@ -265,6 +266,7 @@ class RunResult:
     engine_start_seconds: float = 0.0
     pipeline_seconds: float = 0.0
     engine_seconds: float = 0.0  # busy time of the average engine
+    steady_tokens_per_s: float | None = None
 
 
 def _reporter(bar):
@@ -284,13 +286,17 @@ def _reporter(bar):
 
 
 def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
-    """The local executor: the given engine, or engine.data_parallel engines of our own, each
-    started by its pipeline when a window first needs it (reading starts meanwhile, and a
-    run that only reuses vectors never loads one)."""
+    """The local executor: the given engine, or an engine of our own started when a window first
+    needs it (reading starts meanwhile, and a run that only reuses vectors never loads one), or
+    engine.data_parallel engine processes (processes.py)."""
+    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(pending))
+    if replicas > 1:
+        from .processes import run_in_processes
+
+        return run_in_processes(p, pending, progress, replicas)
     result = RunResult()
     started: list = []
     lock = threading.Lock()
-    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(pending))
 
     def factory(i: int):
         def make():
@@ -322,7 +328,22 @@ def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
     result.failed = [f for pl in pipelines for f in pl.failed]
     result.engines = sum(pl.engine is not None for pl in pipelines)
     result.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, result.engines)
+    result.steady_tokens_per_s = steady_rate([pl.calls for pl in pipelines if pl.calls])
     return result
+
+
+def steady_rate(calls: list[list[tuple[float, float, int]]]) -> float | None:
+    """Engine tokens/s while every engine was running: from the last engine's first call to
+    the first engine's last call, counting calls that straddle either end pro rata. Engine
+    start-up and the tail where some engines have run out of work do not dilute it."""
+    if not calls:
+        return None
+    start, end = max(c[0][0] for c in calls), min(c[-1][1] for c in calls)
+    if end <= start:
+        return None
+    tokens = sum(n * max(0.0, min(t1, end) - max(t0, start)) / (t1 - t0)
+                 for c in calls for t0, t1, n in c if t1 > t0)
+    return round(tokens / (end - start), 1)
 
 
 def _run_all(pipelines: list[Pipeline]) -> None:
@@ -409,6 +430,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     stats.engine_start_seconds = result.engine_start_seconds
     stats.pipeline_seconds = result.pipeline_seconds
     stats.engine_seconds = result.engine_seconds
+    stats.steady_tokens_per_s = result.steady_tokens_per_s
     pipeline_failed = result.failed
 
     failed = p.failed + pipeline_failed

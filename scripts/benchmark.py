@@ -158,7 +158,8 @@ def variant_d(args) -> dict:
         raise SystemExit(f"batchembed run failed ({proc.returncode}); see {log.name}")
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"rows": s["rows"], "tokens": s["tokens"], "steady_s": s["pipeline_seconds"], "engines": s["engines"],
-            "engine_idle_share": s["engine_idle_share"], "engine_start_s": s["engine_start_seconds"]}
+            "engine_idle_share": s["engine_idle_share"], "engine_start_s": s["engine_start_seconds"],
+            "tok_s_all_engines": s.get("steady_tokens_per_s"), "settings": args.d_set}
 
 
 VARIANTS = {"a": variant_a, "b": variant_b, "c": variant_c, "d": variant_d}

@@ -49,8 +49,8 @@ def test_version_and_help():
     assert r.returncode == 0 and "batchembed run jobs/quickstart.yaml" in r.stdout
 
 
-def test_two_engines_in_one_process_give_the_same_output(tmp_path):
-    """engine.data_parallel=2 on CPU: two vLLM engines, one core each, one task queue."""
+def test_two_engine_processes_give_the_same_output(tmp_path):
+    """engine.data_parallel=2 on CPU: two engine processes, one core each, one task queue."""
     import numpy as np
 
     texts = [f"row {i} " + "data parallel engines " * (i % 7 + 1) for i in range(120)]

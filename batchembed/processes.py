@@ -1,0 +1,183 @@
+"""`engine.data_parallel: K`: K engine replicas, each in its own process, pulling parts from
+one queue.
+
+One process per replica, not one thread: a vLLM engine's front end (request
+building, output handling) is Python and needs a core of its own; four engines
+in one process measured 0.26 M tok/s on an H200 against 0.35 M for one
+(notes/performance.md). Each worker plans the job itself (footers only), runs the
+same pipeline as a single-engine run, commits its parts, and reports progress and
+records back. The parent plans, resumes and writes the manifest, as with Ray.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import multiprocessing as mp
+import queue
+import tempfile
+import time
+import traceback
+from typing import TYPE_CHECKING
+
+from .errors import RunError
+
+if TYPE_CHECKING:
+    from .plan import Task
+    from .runner import Prepared, RunResult
+
+log = logging.getLogger(__name__)
+
+
+class _Flag:
+    """A stop flag shared by processes, with threading.Event's is_set/set (no semaphore to leak)."""
+
+    def __init__(self, ctx):
+        self._v = ctx.RawValue("b", 0)
+
+    def is_set(self) -> bool:
+        return bool(self._v.value)
+
+    def set(self) -> None:
+        self._v.value = 1
+
+
+class _Tasks:
+    """The pipeline's view of the shared queue: part names in, this worker's own Tasks out."""
+
+    def __init__(self, q, tasks: dict[str, Task]):
+        self.q, self.tasks = q, tasks
+
+    def get_nowait(self) -> Task:
+        name = self.q.get()
+        if name is None:
+            raise queue.Empty
+        task = self.tasks.get(name)
+        if task is None:
+            raise RunError(f"{name}: not in this worker's plan; did the input change during the run?")
+        return task
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when its parent dies, so a killed run leaves no engine behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - elsewhere the worker ends when its queue does
+        pass
+
+
+def _worker(spec: dict, replica: int, replicas: int, log_level: int, tasks_q, results_q, start_lock,
+            stop) -> None:
+    _die_with_parent()
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine-{replica}: %(message)s")
+    try:
+        from .config import JobSpec
+        from .pipeline import Pipeline
+        from .runner import make_engine, prepare
+
+        p = prepare(JobSpec.model_validate(spec))
+        started: list = []
+
+        def factory():
+            t0 = time.perf_counter()
+            # One engine starts at a time: engines started at the same moment on one GPU were
+            # seen to cross their wires (a front end decoding another engine's messages).
+            with open(start_lock, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+                started.append(make_engine(p, replica, replicas))
+            results_q.put(("started", replica, time.perf_counter() - t0))
+            return started[0]
+
+        pipeline = Pipeline(p, factory, _Tasks(tasks_q, {t.part_name: t for t in p.tasks}),
+                            lambda step: results_q.put(("progress", replica, step)), stop)
+        try:
+            pipeline.run()
+        finally:
+            for e in started:
+                e.close()
+        results_q.put(("done", replica, {"records": pipeline.records, "failed": pipeline.failed,
+                                         "engine_seconds": pipeline.engine_seconds, "calls": pipeline.calls,
+                                         "engine": bool(started)}))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        message = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}"
+        results_q.put(("error", replica, message, traceback.format_exc()))
+
+
+def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) -> RunResult:
+    """Run the pending tasks on `replicas` engine processes. Raises RunError if any fails."""
+    result, error = _supervise(p, pending, progress, replicas)
+    if error:  # raised here, once the queues are gone, so none of their semaphores is reported leaked
+        raise RunError(error)
+    return result
+
+
+def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tuple[RunResult, str | None]:
+    from .runner import RunResult, steady_rate
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+    tasks_q, results_q = ctx.Queue(), ctx.Queue()
+    stop = _Flag(ctx)  # set by any worker's failure, or by us
+    lock_file = tempfile.NamedTemporaryFile(prefix="batchembed-start-", suffix=".lock")
+    start_lock = lock_file.name
+    by_index = {t.part_name: t.index for t in pending}
+    for t in pending:
+        tasks_q.put(t.part_name)
+    for _ in range(replicas):
+        tasks_q.put(None)
+    spec = p.spec.model_dump(mode="json")
+    level = logging.getLogger("batchembed").getEffectiveLevel()
+    workers = [ctx.Process(target=_worker, args=(spec, i, replicas, level, tasks_q, results_q, start_lock, stop),
+                           name=f"batchembed-engine-{i}", daemon=False) for i in range(replicas)]
+    result = RunResult()
+    calls, busy = [], []
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    done: set[int] = set()
+    error = None
+    try:
+        while len(done) < replicas and error is None:
+            try:
+                msg = results_q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, w in enumerate(workers) if i not in done and not w.is_alive()]
+                if dead:
+                    error = (f"engine process {dead[0]} died (exit code {workers[dead[0]].exitcode}) without "
+                             "reporting; committed parts are kept, a rerun resumes")
+                continue
+            kind, replica = msg[0], msg[1]
+            if kind == "progress":
+                progress(msg[2])
+            elif kind == "started":
+                result.engine_start_seconds = max(result.engine_start_seconds, msg[2])
+            elif kind == "error":
+                log.debug("engine process %d failed:\n%s", replica, msg[3])
+                error = f"engine process {replica}: {msg[2]}"
+            elif kind == "done":
+                out = msg[2]
+                done.add(replica)
+                result.records.update({by_index[r["part"]]: r for r in out["records"].values()})
+                result.failed += out["failed"]
+                if out["engine"]:
+                    result.engines += 1
+                    busy.append(out["engine_seconds"])
+                    calls.append(out["calls"])
+    finally:
+        if len(done) < replicas:
+            # every pipeline stops at its next step and closes its engine; a worker that does
+            # not end within a minute is killed
+            stop.set()
+        deadline = time.monotonic() + 60
+        for w in workers:
+            w.join(timeout=max(0.1, deadline - time.monotonic()))
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=10)
+        lock_file.close()
+    result.pipeline_seconds = time.perf_counter() - t0 - result.engine_start_seconds
+    result.engine_seconds = sum(busy) / max(1, len(busy))
+    result.steady_tokens_per_s = steady_rate([c for c in calls if c])
+    return result, error
