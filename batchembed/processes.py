@@ -132,7 +132,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     workers = [ctx.Process(target=_worker, args=(spec, i, replicas, level, tasks_q, results_q, start_lock, stop),
                            name=f"batchembed-engine-{i}", daemon=False) for i in range(replicas)]
     result = RunResult()
-    calls, busy = [], []
+    calls, busy, starts = [], [], []
     t0 = time.perf_counter()
     for w in workers:
         w.start()
@@ -152,7 +152,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
             if kind == "progress":
                 progress(msg[2])
             elif kind == "started":
-                result.engine_start_seconds = max(result.engine_start_seconds, msg[2])
+                starts.append(msg[2])
             elif kind == "error":
                 log.debug("engine process %d failed:\n%s", replica, msg[3])
                 error = f"engine process {replica}: {msg[2]}"
@@ -177,7 +177,11 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
                 w.kill()
                 w.join(timeout=10)
         lock_file.close()
-    result.pipeline_seconds = time.perf_counter() - t0 - result.engine_start_seconds
+    # Engines start one after another: start-up counts until the last is up, and the pipeline
+    # from when the first could work (so tokens/pipeline_seconds never credits the later ones
+    # with work the first did alone).
+    result.engine_start_seconds = max(starts, default=0.0)
+    result.pipeline_seconds = time.perf_counter() - t0 - min(starts, default=0.0)
     result.engine_seconds = sum(busy) / max(1, len(busy))
     result.steady_tokens_per_s = steady_rate([c for c in calls if c])
     return result, error
