@@ -34,9 +34,22 @@ class _Group(click.Group):
             ctx.exit(130)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers (Airflow, Loki, CloudWatch)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def _setup_logging(level: str, as_json: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if as_json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
     # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
     # Set through the environment so the engine's child processes obey it too.
     if level.upper() != "DEBUG":
@@ -51,7 +64,8 @@ def _setup_logging(level: str) -> None:
 @click.version_option(__version__, prog_name="batchembed")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def cli(log_level: str) -> None:
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line (time, level, logger, message).")
+def cli(log_level: str, log_json: bool) -> None:
     """Embed large Parquet corpora in batch with vLLM.
 
     \b
@@ -60,7 +74,7 @@ def cli(log_level: str) -> None:
       batchembed validate my.yaml
       batchembed plan my.yaml
     """
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_json)
 
 
 def _load(job_file: str, overrides):

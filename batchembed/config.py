@@ -35,12 +35,31 @@ class ModelSpec(_Strict):
     name: str = Field(description="local dir | Hugging Face id in the local cache | package:<python package>")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_length: int | None = Field(None, ge=2, description="tokens; default: the model's limit")
-    prefix: str = ""
+    prefix: str = Field("", description='put before every text, e.g. "passage: " (E5, BGE)')
+    instruction: str = Field("", description="for instruction-tuned embedders, e.g. 'Given a web search "
+                             "query, retrieve relevant passages'; goes before every text through "
+                             "instruction_format")
+    instruction_format: str = "Instruct: {instruction}\nQuery: "
+
+    @field_validator("instruction_format")
+    @classmethod
+    def _has_slot(cls, v):
+        if "{instruction}" not in v:
+            raise ValueError("must contain {instruction}, e.g. 'Instruct: {instruction}\\nQuery: '")
+        return v
+
+    @property
+    def text_prefix(self) -> str:
+        """What goes before every text: the formatted instruction (if any), then `prefix`."""
+        head = self.instruction_format.replace("{instruction}", self.instruction) if self.instruction else ""
+        return head + self.prefix
 
 
 class EmbeddingSpec(_Strict):
     dimensions: list[int] | None = None
-    output_dtype: Literal["float32", "float16"] = "float32"
+    output_dtype: Literal["float32", "float16", "binary", "ubinary"] = Field(
+        "float32", description="binary / ubinary: one sign bit per dimension, 8 to a byte, as "
+        "sentence-transformers' quantize_embeddings (int8 values minus 128 / uint8)")
 
     @field_validator("dimensions", mode="before")
     @classmethod

@@ -140,7 +140,9 @@ def open_previous(uri: str, storage_options: dict, fp: JobFingerprint, id_column
             reasons.append(f"{key} differs ({job.get(key)!r} there, {now[key]!r} now)")
     if not prev_id:
         reasons.append("it has no id column")
-    if job.get("output_dtype") == "float16" and fp.output_dtype == "float32":
+    if job.get("output_dtype") in ("binary", "ubinary"):
+        reasons.append(f"its vectors are {job.get('output_dtype')} bits, not floats")
+    elif job.get("output_dtype") == "float16" and fp.output_dtype == "float32":
         reasons.append("its vectors are float16 and this job writes float32")
     names = manifest.get("embedding", {}).get("columns", {})
     theirs = {int(d): c for d, c in names.items()}

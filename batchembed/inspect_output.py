@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import RunError
@@ -34,7 +35,8 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
             pf = pq.ParquetFile(f)
             rows += pf.metadata.num_rows
             schema = schema or pf.schema_arrow
-            vector_cols = [fld.name for fld in pf.schema_arrow if hasattr(fld.type, "list_size")]
+            vector_cols = [fld.name for fld in pf.schema_arrow if hasattr(fld.type, "list_size")
+                           and pa.types.is_floating(fld.type.value_type)]  # packed bits have no norm
             if enough() and len(sample) >= sample_rows:
                 continue
             for batch in pf.iter_batches(batch_size=4096):

@@ -87,7 +87,7 @@ class Pipeline:
         cache_mb = p.spec.engine.dedup_cache_mb
         self.cache_rows = cache_mb * 2**20 // (4 * p.model.dimension)
         self.cache: OrderedDict[int, np.ndarray] | None = OrderedDict() if self.cache_rows else None
-        self.tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.prefix)
+        self.tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)
         self.q_in: queue.Queue = queue.Queue(maxsize=4)
         self.q_out: queue.Queue = queue.Queue(maxsize=4)
         self.stop = stop or threading.Event()

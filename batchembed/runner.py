@@ -82,6 +82,9 @@ def prepare(spec: JobSpec) -> Prepared:
         if untrained:
             warnings.append(f"embedding.dimensions {untrained} are not among the model's trained Matryoshka "
                             f"dimensions {list(model.matryoshka_dimensions)}")
+    if spec.embedding.output_dtype in ("binary", "ubinary") and any(d % 8 for d in dims):
+        raise JobError(f"embedding.dimensions: {next(d for d in dims if d % 8)} is not a multiple of 8, which "
+                       f"output_dtype {spec.embedding.output_dtype} needs (8 dimensions to a byte)")
     if spec.engine.token_budget is not None and spec.engine.token_budget < max_length:
         raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
                        "one full-length row must fit in a call")
@@ -105,7 +108,7 @@ def prepare(spec: JobSpec) -> Prepared:
         output_dtype=spec.embedding.output_dtype,
         dtype=spec.model.dtype,
         max_length=max_length,
-        prefix=spec.model.prefix,
+        prefix=spec.model.text_prefix,
         columns={"text": spec.input.text_column, "id": spec.input.id_column,
                  "carry": list(spec.input.carry_columns)},
     )
@@ -122,7 +125,7 @@ def prepare(spec: JobSpec) -> Prepared:
 
 def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:
     """Tokens the whole corpus will take, from the first rows of up to 4 files."""
-    tok = Tokenizer(p.model.path, p.max_length, p.spec.model.prefix)
+    tok = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)
     seen_rows = seen_tokens = 0
     per_file = max(1, sample_rows // min(4, len(p.files)))
     for f in p.files[:4]:
@@ -519,9 +522,13 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
         "job": {**p.fingerprint.as_dict(), "digest": p.fingerprint.digest},
         "model": {"name": spec.model.name, "hash": p.fingerprint.model_hash, "dimension": p.model.dimension,
                   "dtype": spec.model.dtype, "max_length": p.max_length, "prefix": spec.model.prefix,
+                  "instruction": spec.model.instruction or None,
+                  "instruction_format": spec.model.instruction_format if spec.model.instruction else None,
+                  "text_prefix": spec.model.text_prefix,
                   "is_matryoshka": p.model.is_matryoshka},
         "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
-                      "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH},
+                      "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
+                      "packed_bits": spec.embedding.output_dtype in ("binary", "ubinary")},
         "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "id_column": spec.input.id_column,
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
         "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "reused", "deduplicated", "deleted",

@@ -25,6 +25,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
         problems.append(f"no {SUCCESS}: the output is unfinished" +
                         (f" ({len(manifest.get('failed', []))} input files failed)" if manifest.get("failed") else ""))
     columns = manifest["embedding"]["columns"]
+    packed = manifest["embedding"].get("packed_bits", False)  # binary / ubinary: 8 dimensions a byte, no norm
     tol = 1e-2 if manifest["embedding"]["output_dtype"] == "float16" else 1e-3
     listed = {p["name"]: p for p in manifest["parts"]}
     present = {path.rsplit("/", 1)[-1] for path in retry(lambda: fs.glob(f"{root}/part-*.parquet"), uri)}
@@ -44,9 +45,12 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
             rows += pf.metadata.num_rows
             for dim, col in columns.items():
                 field = pf.schema_arrow.field(col) if col in pf.schema_arrow.names else None
-                if field is None or getattr(field.type, "list_size", None) != int(dim):
+                width = int(dim) // 8 if packed else int(dim)
+                if field is None or getattr(field.type, "list_size", None) != width:
                     problems.append(f"{url}: column {col} is {field.type if field else 'missing'}, "
-                                    f"expected {dim} values per row")
+                                    f"expected {width} values per row")
+                    continue
+                if packed:
                     continue
                 for batch in pf.iter_batches(columns=[col]):
                     arr = batch.column(0).drop_null()

@@ -28,15 +28,31 @@ MANIFEST = "manifest.json"
 SUCCESS = "_SUCCESS"
 
 
+PACKED = {"binary": pa.int8(), "ubinary": pa.uint8()}  # sign bits, 8 dimensions to a byte
+
+
 def vector_array(matrix: np.ndarray, valid: np.ndarray, dtype: str) -> pa.FixedSizeListArray:
-    """A fixed-size-list column from a (rows, d) matrix; rows where `valid` is False are null."""
-    np_dtype = np.float16 if dtype == "float16" else np.float32
-    values = pa.array(np.ascontiguousarray(matrix, dtype=np_dtype).reshape(-1))
+    """A fixed-size-list column from a (rows, d) matrix; rows where `valid` is False are null.
+
+    binary / ubinary follow sentence-transformers' quantize_embeddings: the bits of
+    `vector > 0` packed 8 to a byte (numpy packbits, first dimension in the high bit),
+    as uint8 (ubinary) or as int8 after subtracting 128 (binary)."""
+    if dtype in PACKED:
+        packed = np.packbits(matrix > 0, axis=1)
+        values = pa.array((packed.astype(np.int16) - 128).astype(np.int8).reshape(-1) if dtype == "binary"
+                          else packed.reshape(-1))
+        width = packed.shape[1]
+    else:
+        values = pa.array(np.ascontiguousarray(matrix, dtype=np.float16 if dtype == "float16" else np.float32)
+                          .reshape(-1))
+        width = matrix.shape[1]
     mask = None if valid.all() else pa.array(~valid)
-    return pa.FixedSizeListArray.from_arrays(values, matrix.shape[1], mask=mask)
+    return pa.FixedSizeListArray.from_arrays(values, width, mask=mask)
 
 
 def vector_type(dim: int, dtype: str) -> pa.DataType:
+    if dtype in PACKED:
+        return pa.list_(PACKED[dtype], dim // 8)
     return pa.list_(pa.float16() if dtype == "float16" else pa.float32(), dim)
 
 

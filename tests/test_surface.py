@@ -1,0 +1,81 @@
+"""Output precisions, instructions and JSON logs, as a user sets them in the job file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import yaml
+from helpers import job_dict, make_job, read_output, write_parquet
+
+from batchembed.runner import run_job
+from batchembed.verify import verify_output
+
+BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+TEXTS = [f"sentence number {i} about {'cats' if i % 2 else 'the stock market'} and more" for i in range(40)]
+
+
+def test_binary_and_ubinary_match_sentence_transformers_quantisation(tmp_path, engine):
+    from sentence_transformers.quantization import quantize_embeddings
+
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(40)), "text": TEXTS[:39] + [None]})
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "f32", embedding={"dimensions": [384, 64]}),
+            engine=engine, show_progress=False)
+    floats = read_output(tmp_path / "f32")
+    for precision in ("binary", "ubinary"):
+        out = tmp_path / precision
+        spec = make_job(tmp_path / "in.parquet", out, embedding={"dimensions": [384, 64], "output_dtype": precision})
+        run_job(spec, engine=engine, show_progress=False)
+        t = read_output(out)
+        for d in (384, 64):
+            col = t.column(f"embedding_{d}")
+            assert col.type.list_size == d // 8 and col.to_pylist()[39] is None
+            ref = np.asarray(floats.column(f"embedding_{d}").to_pylist()[:39], dtype=np.float32)
+            want = quantize_embeddings(ref, precision=precision)
+            got = np.asarray(col.to_pylist()[:39], dtype=want.dtype)
+            assert np.array_equal(got, want), precision
+        problems, _ = verify_output(str(out))
+        assert problems == []
+        assert json.loads((out / "manifest.json").read_text())["embedding"]["packed_bits"] is True
+
+
+def test_instruction_goes_before_every_text_like_a_prompt(tmp_path, engine, st_model):
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(8)), "text": TEXTS[:8]})
+    instruction = "Given a web search query, retrieve relevant passages"
+    spec = make_job(tmp_path / "in.parquet", tmp_path / "out", model={"instruction": instruction})
+    run_job(spec, engine=engine, show_progress=False)
+    got = np.asarray(read_output(tmp_path / "out").column("embedding").to_pylist(), dtype=np.float32)
+    want = st_model.encode(TEXTS[:8], prompt=f"Instruct: {instruction}\nQuery: ", normalize_embeddings=True)
+    assert float(np.min(np.sum(got * want, axis=1))) > 0.9999
+    plain = st_model.encode(TEXTS[:8], normalize_embeddings=True)
+    assert float(np.min(np.sum(got * plain, axis=1))) < 0.99  # the instruction really changed the input
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())["model"]
+    assert m["instruction"] == instruction and m["text_prefix"] == f"Instruct: {instruction}\nQuery: "
+
+
+def test_bad_precision_settings_name_the_key(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out",
+                                           embedding={"dimensions": [100], "output_dtype": "binary"},
+                                           model={"instruction_format": "no slot"})))
+    r = subprocess.run([BIN, "validate", str(job)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "model.instruction_format: must contain {instruction}" in r.stderr
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out",
+                                           embedding={"dimensions": [100], "output_dtype": "binary"})))
+    r = subprocess.run([BIN, "validate", str(job)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "embedding.dimensions: 100 is not a multiple of 8" in r.stderr
+
+
+def test_log_json_writes_one_object_per_line(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [100]})))
+    r = subprocess.run([BIN, "--log-json", "validate", str(job)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
+    assert any(e["level"] == "WARNING" and "Matryoshka" in e["message"] for e in lines)
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)
