@@ -129,7 +129,7 @@ def validate(job_file, overrides):
     """
     from .runner import prepare
 
-    p = prepare(_load(job_file, overrides))
+    p = prepare(_load(job_file, overrides), all_problems=True)
     click.echo(f"ok: {p.spec.name}: model {p.model.path} (dim {p.model.dimension}, max_length {p.max_length}), "
                f"{len(p.files)} files, {sum(f.num_rows for f in p.files):,} rows, {len(p.tasks)} parts")
 

@@ -58,18 +58,13 @@ class Prepared:
         return pa.schema(fields)
 
 
-def prepare(spec: JobSpec) -> Prepared:
-    """Check the job against the model and the input (footers only). Raises JobError."""
-    model = read_model_info(spec.model.name)
-    warnings = []
-    max_length = spec.model.max_length or model.max_length
+def _check_model_fit(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[int], warnings: list[str]) -> None:
     if max_length > model.position_limit:
         raise JobError(f"model.max_length: {max_length} is more than {model.path.name} allows "
                        f"({model.position_limit} positions)")
     if max_length > model.max_length:
         warnings.append(f"model.max_length {max_length} is above the {model.max_length} tokens the model was "
                         "trained with; quality may drop past that")
-    dims = spec.embedding.dimensions or [model.dimension]
     too_big = [d for d in dims if d > model.dimension]
     if too_big:
         raise JobError(f"embedding.dimensions: {too_big[0]} is larger than the model's dimension {model.dimension}")
@@ -82,45 +77,85 @@ def prepare(spec: JobSpec) -> Prepared:
         if untrained:
             warnings.append(f"embedding.dimensions {untrained} are not among the model's trained Matryoshka "
                             f"dimensions {list(model.matryoshka_dimensions)}")
-    if spec.embedding.output_dtype in ("binary", "ubinary") and any(d % 8 for d in dims):
-        raise JobError(f"embedding.dimensions: {next(d for d in dims if d % 8)} is not a multiple of 8, which "
-                       f"output_dtype {spec.embedding.output_dtype} needs (8 dimensions to a byte)")
     if spec.engine.token_budget is not None and spec.engine.token_budget < max_length:
         raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
                        "one full-length row must fit in a call")
-    storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
-    in_fs, in_root, paths = list_parquet_files(spec.input.uri, spec.input.storage_options)
-    files, failed = inspect_inputs(in_fs, in_root, paths, spec.input, skip_unreadable=spec.on_error == "skip")
-    if not files:
-        raise RunError(f"no input file could be read ({len(failed)} failed), e.g. {failed[0]['error']}")
-    tasks = make_tasks(files, spec.output.rows_per_part)
-    ours = {*column_names(dims).values(), TEXT_HASH}
+
+
+def _check_columns(spec: JobSpec, dims: list[int] | None) -> None:
+    if spec.embedding.output_dtype in ("binary", "ubinary") and dims and any(d % 8 for d in dims):
+        raise JobError(f"embedding.dimensions: {next(d for d in dims if d % 8)} is not a multiple of 8, which "
+                       f"output_dtype {spec.embedding.output_dtype} needs (8 dimensions to a byte)")
+    ours = {*column_names(dims or [0]).values(), TEXT_HASH} if dims else {"embedding", TEXT_HASH}
     clash = [c for c in [spec.input.id_column, *spec.input.carry_columns] if c in ours]
     if clash:
         key = "input.id_column" if clash[0] == spec.input.id_column else "input.carry_columns"
         raise JobError(f"{key}: {clash[0]!r} is also the name of an output column batchembed writes "
                        f"({', '.join(sorted(ours))}); rename it in the input or leave it out")
-    out_fs, out_root = open_fs(spec.output.uri, spec.output.storage_options, "output.uri")
-    out_root = out_root.rstrip("/")
-    fp = JobFingerprint(
-        model_hash=model_content_hash(model.path),
-        dimensions=tuple(dims),
-        output_dtype=spec.embedding.output_dtype,
-        dtype=spec.model.dtype,
-        max_length=max_length,
-        prefix=spec.model.text_prefix,
-        columns={"text": spec.input.text_column, "id": spec.input.id_column,
-                 "carry": list(spec.input.carry_columns)},
-    )
-    previous = None
-    if spec.incremental is not None:
-        inc = spec.incremental
-        options = inc.storage_options if inc.storage_options is not None else spec.output.storage_options
-        previous = open_previous(inc.previous, options, fp, spec.input.id_column, full_url(out_fs, out_root))
+
+
+def _read_inputs(spec: JobSpec):
+    in_fs, in_root, paths = list_parquet_files(spec.input.uri, spec.input.storage_options)
+    files, failed = inspect_inputs(in_fs, in_root, paths, spec.input, skip_unreadable=spec.on_error == "skip")
+    if not files:
+        raise RunError(f"no input file could be read ({len(failed)} failed), e.g. {failed[0]['error']}")
+    return in_fs, files, failed
+
+
+def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
+    """Check the job against the model, the input (footers only) and the output location.
+
+    Raises JobError (or RunError for input that cannot be read) at the first problem;
+    with `all_problems` (validate), every check that does not depend on a failed one
+    runs, and one JobError lists every problem found.
+    """
+    problems: list[str] = []
+
+    def check(fn):
+        try:
+            return fn()
+        except (JobError, RunError) as e:
+            if not all_problems:
+                raise
+            problems.append(str(e))
+            return None
+
+    warnings: list[str] = []
+    model = check(lambda: read_model_info(spec.model.name))
+    max_length, dims = spec.model.max_length, spec.embedding.dimensions
+    if model is not None:
+        max_length = max_length or model.max_length
+        dims = dims or [model.dimension]
+        check(lambda: _check_model_fit(spec, model, max_length, dims, warnings))
+    check(lambda: _check_columns(spec, dims))
+    storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
+    inputs = check(lambda: _read_inputs(spec))
+    out = check(lambda: open_fs(spec.output.uri, spec.output.storage_options, "output.uri"))
+    fp = previous = None
+    if model is not None and out is not None:
+        fp = JobFingerprint(
+            model_hash=model_content_hash(model.path),
+            dimensions=tuple(dims),
+            output_dtype=spec.embedding.output_dtype,
+            dtype=spec.model.dtype,
+            max_length=max_length,
+            prefix=spec.model.text_prefix,
+            columns={"text": spec.input.text_column, "id": spec.input.id_column,
+                     "carry": list(spec.input.carry_columns)},
+        )
+        if spec.incremental is not None:
+            inc = spec.incremental
+            options = inc.storage_options if inc.storage_options is not None else spec.output.storage_options
+            previous = check(lambda: open_previous(inc.previous, options, fp, spec.input.id_column,
+                                                   full_url(out[0], out[1].rstrip("/"))))
+    if problems:
+        raise JobError(f"{len(problems)} problem(s) with the job:\n  " + "\n  ".join(problems))
     for w in warnings:
         log.warning(w)
-    return Prepared(spec, model, max_length, dims, files, tasks, in_fs, out_fs, out_root, fp, warnings, failed,
-                    previous)
+    in_fs, files, failed = inputs
+    out_fs, out_root = out[0], out[1].rstrip("/")
+    return Prepared(spec, model, max_length, dims, files, make_tasks(files, spec.output.rows_per_part), in_fs,
+                    out_fs, out_root, fp, warnings, failed, previous)
 
 
 def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:

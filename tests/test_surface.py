@@ -79,3 +79,16 @@ def test_log_json_writes_one_object_per_line(tmp_path):
     lines = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
     assert any(e["level"] == "WARNING" and "Matryoshka" in e["message"] for e in lines)
     assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)
+
+
+def test_validate_lists_every_problem_at_once(tmp_path):
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "body": ["x"]})
+    job = tmp_path / "job.yaml"
+    d = job_dict(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [100], "output_dtype": "binary"})
+    d["model"]["name"] = str(tmp_path / "no-such-model")
+    job.write_text(yaml.safe_dump(d))
+    r = subprocess.run([BIN, "validate", str(job)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "3 problem(s)" in r.stderr and "no-such-model" in r.stderr
+    assert "embedding.dimensions: 100 is not a multiple of 8" in r.stderr
+    assert "input.text_column 'text' not in" in r.stderr
