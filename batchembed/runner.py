@@ -217,7 +217,7 @@ def output_state(p: Prepared) -> OutputState:
     foreign = [r for r in records + ([manifest] if manifest else []) if r.get("job", {}).get("digest", "")
                != p.fingerprint.digest]
     if foreign:
-        theirs = {k: v for k, v in foreign[0]["job"].items() if k != "digest"}
+        theirs = {"layout": 1, **{k: v for k, v in foreign[0]["job"].items() if k != "digest"}}  # 1: no text_hash
         raise JobError(f"output.uri {full_url(fs, root)} holds embeddings made by a different job "
                        f"({_job_diff(theirs, current)}); rerun with --overwrite to replace them, "
                        "or write to a new output.uri")
