@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from .errors import JobError, RunError
 from .matryoshka import l2_normalise
-from .storage import full_url, is_local, is_transient, open_fs, put_file_atomic, read_json, retry, write_json_atomic
+from .storage import full_url, is_local, is_transient, open_fs, put_file_atomic, read_json, retry
 
 if TYPE_CHECKING:
     from .plan import JobFingerprint, Task
@@ -167,7 +167,7 @@ def copy_parts(prev: Previous, tasks: list[Task], out_fs, out_root: str, record_
                threads: int = 16) -> tuple[dict[int, dict], list[Task]]:
     """Copy the previous parts of unchanged inputs as they are, each followed by its commit
     record. Returns (records by task index, the tasks still to run)."""
-    from .writer import COMMITS
+    from .writer import write_commit
 
     todo = [(t, e) for t in tasks if (e := prev.copyable(t))]
     if not todo:
@@ -190,7 +190,7 @@ def copy_parts(prev: Previous, tasks: list[Task], out_fs, out_root: str, record_
                   "deduplicated": 0, "matched": t.num_rows, "tokens": 0,
                   **{k: counts.get(k, 0) for k in ("truncated", "nulls", "empty")},
                   "input": t.input_fingerprint, "copied_from": full_url(prev.fs, src), **record_base}
-        write_json_atomic(out_fs, f"{out_root}/{COMMITS}/{t.part_name[:-len('.parquet')]}.json", record)
+        write_commit(out_fs, out_root, t.part_name, record)
         return t.index, record
 
     with ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:

@@ -56,6 +56,11 @@ def vector_type(dim: int, dtype: str) -> pa.DataType:
     return pa.list_(pa.float16() if dtype == "float16" else pa.float32(), dim)
 
 
+def write_commit(fs, root: str, part_name: str, record: dict[str, Any]) -> None:
+    """A part's commit record, published after the part itself."""
+    write_json_atomic(fs, f"{root}/{COMMITS}/{part_name[:-len('.parquet')]}.json", record)
+
+
 class PartWriter:
     """Streams one task's output to a local temporary Parquet file; commit() publishes it."""
 
@@ -77,7 +82,7 @@ class PartWriter:
         self._writer.close()
         try:
             put_file_atomic(fs, self.local_path, f"{root}/{self.task.part_name}")
-            write_json_atomic(fs, f"{root}/{COMMITS}/{self.task.part_name[:-len('.parquet')]}.json", record)
+            write_commit(fs, root, self.task.part_name, record)
         finally:
             self.discard()
 
