@@ -15,6 +15,7 @@ import click
 
 from . import __version__
 from .errors import BatchembedError, JobError, RunError
+from .logs import setup_logging
 
 log = logging.getLogger("batchembed")
 
@@ -34,32 +35,6 @@ class _Group(click.Group):
             ctx.exit(130)
 
 
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line, for log shippers (Airflow, Loki, CloudWatch)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
-
-
-def _setup_logging(level: str, as_json: bool = False) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if as_json else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
-    # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
-    # Set through the environment so the engine's child processes obey it too.
-    if level.upper() != "DEBUG":
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        # the resource tracker cleans up after os._exit (below) on its own; its note about it is noise
-        os.environ.setdefault("PYTHONWARNINGS",
-                              "ignore::FutureWarning,ignore::UserWarning:multiprocessing.resource_tracker")
-        logging.getLogger("vllm").setLevel(logging.ERROR)
-
-
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="batchembed")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -74,7 +49,7 @@ def cli(log_level: str, log_json: bool) -> None:
       batchembed validate my.yaml
       batchembed plan my.yaml
     """
-    _setup_logging(log_level, log_json)
+    setup_logging(log_level, log_json)
 
 
 def _load(job_file: str, overrides):

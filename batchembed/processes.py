@@ -11,9 +11,11 @@ records back. The parent plans, resumes and writes the manifest, as with Ray.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import multiprocessing as mp
+import os
 import queue
 import tempfile
 import time
@@ -21,6 +23,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from .errors import RunError
+from .logs import json_logging, setup_logging
 
 if TYPE_CHECKING:
     from .plan import Task
@@ -69,10 +72,30 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(spec: dict, replica: int, replicas: int, log_level: int, tasks_q, results_q, start_lock,
-            stop) -> None:
+# Engines start at the same moment unless this is set: then one at a time (a file lock),
+# which costs K x the start-up (35-45 s each on an H200) but rules start-up races out.
+SERIAL_START_ENV = "BATCHEMBED_SERIAL_START"
+
+
+def _isolate(replica: int, workdir: str) -> None:
+    """Give this worker's engine its own socket folder and port range.
+
+    vLLM names its ZMQ sockets with a uuid under VLLM_RPC_BASE_PATH (the temp folder) and
+    picks a free TCP port for its (single-rank) torch.distributed store: two engines started
+    at the same moment could race for that port. Separate folders and port ranges rule both out.
+    """
+    rpc = os.path.join(workdir, f"engine-{replica}")
+    os.makedirs(rpc, exist_ok=True)
+    os.environ["VLLM_RPC_BASE_PATH"] = rpc
+    base = int(os.environ.get("VLLM_PORT") or 29600)
+    os.environ["VLLM_PORT"] = str(base + 100 * replica)
+
+
+def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, tasks_q, results_q,
+            start_lock, stop) -> None:
     _die_with_parent()
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine-{replica}: %(message)s")
+    _isolate(replica, os.path.dirname(start_lock))
+    setup_logging(log_level, as_json, engine=replica)
     try:
         from .config import JobSpec
         from .pipeline import Pipeline
@@ -83,10 +106,9 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, tasks_q, re
 
         def factory():
             t0 = time.perf_counter()
-            # One engine starts at a time: engines started at the same moment on one GPU were
-            # seen to cross their wires (a front end decoding another engine's messages).
             with open(start_lock, "rb") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+                if os.environ.get(SERIAL_START_ENV):
+                    fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
                 started.append(make_engine(p, replica, replicas))
             results_q.put(("started", replica, time.perf_counter() - t0))
             return started[0]
@@ -120,8 +142,9 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
     tasks_q, results_q = ctx.Queue(), ctx.Queue()
     stop = _Flag(ctx)  # set by any worker's failure, or by us
-    lock_file = tempfile.NamedTemporaryFile(prefix="batchembed-start-", suffix=".lock")
-    start_lock = lock_file.name
+    workdir = tempfile.TemporaryDirectory(prefix="batchembed-engines-")
+    start_lock = os.path.join(workdir.name, "start.lock")
+    open(start_lock, "wb").close()
     by_index = {t.part_name: t.index for t in pending}
     for t in pending:
         tasks_q.put(t.part_name)
@@ -129,7 +152,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
         tasks_q.put(None)
     spec = p.spec.model_dump(mode="json")
     level = logging.getLogger("batchembed").getEffectiveLevel()
-    workers = [ctx.Process(target=_worker, args=(spec, i, replicas, level, tasks_q, results_q, start_lock, stop),
+    workers = [ctx.Process(target=_worker, args=(spec, i, replicas, level, json_logging(), tasks_q, results_q, start_lock, stop),
                            name=f"batchembed-engine-{i}", daemon=False) for i in range(replicas)]
     result = RunResult()
     calls, busy, starts = [], [], []
@@ -176,7 +199,8 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
             if w.is_alive():
                 w.kill()
                 w.join(timeout=10)
-        lock_file.close()
+        with contextlib.suppress(OSError):
+            workdir.cleanup()
     # Engines start one after another: start-up counts until the last is up, and the pipeline
     # from when the first could work (so tokens/pipeline_seconds never credits the later ones
     # with work the first did alone).
@@ -185,3 +209,4 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     result.engine_seconds = sum(busy) / max(1, len(busy))
     result.steady_tokens_per_s = steady_rate([c for c in calls if c])
     return result, error
+

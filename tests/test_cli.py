@@ -50,7 +50,8 @@ def test_version_and_help():
 
 
 def test_two_engine_processes_give_the_same_output(tmp_path):
-    """engine.data_parallel=2 on CPU: two engine processes, one core each, one task queue."""
+    """engine.data_parallel=2 on CPU: two engine processes started together, one core each, one
+    task queue; with --log-json their lines are JSON too, tagged with the engine."""
     import numpy as np
 
     texts = [f"row {i} " + "data parallel engines " * (i % 7 + 1) for i in range(120)]
@@ -60,12 +61,14 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine={"data_parallel": 2})))
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        rc = subprocess.run([BIN, "run", str(job)], stdout=out, stderr=err, timeout=400).returncode
+        rc = subprocess.run([BIN, "--log-json", "run", str(job)], stdout=out, stderr=err, timeout=400).returncode
     assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
     summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
     assert summary["engines"] == 2 and summary["tasks_run"] == 4
-    stderr = (tmp_path / "stderr").read_text()
-    assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in stderr and "engine 2/2" in stderr
+    lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]
+    starts = {e["engine"]: e["message"] for e in lines if e["message"].startswith("starting vLLM engine")}
+    assert set(starts) == {0, 1}, lines
+    assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in starts[0] and "engine 2/2" in starts[1]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
     from batchembed.model import read_model_info

@@ -1,0 +1,48 @@
+"""Logging for the command line and its engine processes: text or one JSON object per line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers (Airflow, Loki, CloudWatch)."""
+
+    def __init__(self, **extra):
+        super().__init__()
+        self.extra = extra  # e.g. {"engine": 2} in an engine process
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                 "level": record.levelname, "logger": record.name, **self.extra, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str | int, as_json: bool = False, engine: int | None = None) -> None:
+    """Log to stderr at `level`; `engine` tags the lines of an engine process."""
+    level = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(JsonFormatter(**({} if engine is None else {"engine": engine})))
+    else:
+        tag = "%(name)s" if engine is None else f"engine-{engine}"
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
+    # Set through the environment so the engine's child processes obey it too.
+    if level > logging.DEBUG:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        # the resource tracker cleans up after os._exit (below) on its own; its note about it is noise
+        os.environ.setdefault("PYTHONWARNINGS",
+                              "ignore::FutureWarning,ignore::UserWarning:multiprocessing.resource_tracker")
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
+def json_logging() -> bool:
+    """Whether this process logs JSON (an engine process then does too)."""
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
