@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,24 @@ def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str
     return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
 
 
+def _copy_engine_output_frames() -> None:
+    """Work around vLLM's engine-output corruption in versions without its fix (vLLM PR #50053).
+
+    Before that fix the engine core reuses the buffer of an output message while ZMQ may still
+    be sending it without a copy (frames >= zmq.COPY_THRESHOLD, 64 KiB: an embedding step's
+    output). The front end then decodes a mix of two messages: `msgspec.DecodeError: MessagePack
+    data is malformed: trailing characters`, or a ValidationError. Seen here with four engines
+    on one H200 within seconds (notes/performance.md). Raising the threshold makes ZMQ copy
+    every frame (a few MB per step, far below a step's GPU time). The engine core process is
+    forked from this one, so it inherits the setting.
+    """
+    import zmq
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if not hasattr(EngineCoreProc, "_send_msg_tracking_payload"):  # the fixed versions have it
+        zmq.COPY_THRESHOLD = sys.maxsize
+
+
 class Engine:
     """One vLLM engine. Use as a context manager, or call close().
 
@@ -84,6 +103,8 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM, PoolingParams
         from vllm.platforms import current_platform
+
+        _copy_engine_output_frames()
 
         self.key = EngineKey(str(model.path), dtype, max_length)
         self.dimension = model.dimension
