@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,7 +82,7 @@ def _copy_engine_output_frames() -> None:
     from vllm.v1.engine.core import EngineCoreProc
 
     if not hasattr(EngineCoreProc, "_send_msg_tracking_payload"):  # the fixed versions have it
-        zmq.COPY_THRESHOLD = sys.maxsize
+        zmq.COPY_THRESHOLD = 2**31 - 1  # a C int in places; no frame is that large
 
 
 class Engine:
@@ -128,6 +127,11 @@ class Engine:
             gpu_memory_utilization=memory_share,
             seed=0,
             disable_log_stats=True,
+            # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
+            # Embedding). A batch corpus gains little from it, and with it on, runs with
+            # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
+            # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
+            enable_prefix_caching=False,
         )
         args.update(spec.vllm_args)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas, env,
