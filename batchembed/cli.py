@@ -85,6 +85,7 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
     s = stats.summary()
     reuse = (f", {s['reused']:,} reused, {s['deleted']:,} deleted" if spec.incremental else "")
+    reuse += f"; {s['filtered']:,} input rows left out by input.where" if spec.input.where else ""
     click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, "
                f"{s['deduplicated']:,} duplicates{reuse}, {s['nulls']:,} null, "
                f"{s['truncated']:,} truncated), {s['tokens']:,} tokens; this run: {s['tasks_run']} parts, "

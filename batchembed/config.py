@@ -26,9 +26,28 @@ class _Strict(BaseModel):
 class InputSpec(_Strict):
     uri: str = Field(description="fsspec URL of a Parquet file, a directory or a glob")
     text_column: str = "text"
+    text_sql: str | None = Field(None, description="the text as a polars SQL expression over the input "
+                                 "columns instead of text_column, e.g. title || '\\n\\n' || body")
+    where: str | None = Field(None, description="a polars SQL condition: only rows where it is true are "
+                              "embedded and written, e.g. lang = 'en' AND body IS NOT NULL")
     id_column: str | None = None
     carry_columns: list[str] = []
     storage_options: dict[str, Any] = {}
+
+    @field_validator("text_sql", "where")
+    @classmethod
+    def _parses(cls, v):
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("is empty")
+        import polars as pl
+
+        try:
+            pl.sql_expr(v)
+        except Exception as e:  # noqa: BLE001 - polars raises several kinds for bad SQL
+            raise ValueError(f"is not a polars SQL expression: {e}") from None
+        return v
 
 
 class ModelSpec(_Strict):

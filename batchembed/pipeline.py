@@ -27,7 +27,7 @@ from .errors import RunError
 from .incremental import TaskIndex, id_keys, text_hashes
 from .matryoshka import reduce
 from .plan import Task
-from .reader import iter_batches, needed_columns
+from .reader import iter_batches, needed_columns, select_rows
 from .storage import is_transient
 from .tokenizer import Tokenized, Tokenizer
 from .writer import PartWriter, vector_array
@@ -43,7 +43,8 @@ def now_utc() -> str:
 
 
 # counted per part (commit records) and per run (Stats)
-COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "nulls", "empty")
+COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "nulls", "empty",
+          "filtered")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Window:
     tok: Tokenized  # of the unique texts
     matched: int  # rows whose id was found in the previous output
     empty: int
+    filtered: int = 0  # rows input.where dropped before this window
     full: np.ndarray | None = None  # (len(uniq), model dimension), set by the engine thread
     embedded: int = 0  # unique texts the engine embedded (the rest came from the cache)
     tokens: int = 0
@@ -131,7 +133,10 @@ class Pipeline:
                 index = TaskIndex(prev, task) if prev is not None else None
                 for batch in iter_batches(self.p.in_fs, task.file, list(task.row_groups), cols,
                                           self.p.spec.engine.sort_window_rows):
-                    if not self._put(self.q_in, (task, batch, self._plan(batch, index))):
+                    batch, texts, dropped = select_rows(spec, batch)
+                    window = self._plan(batch, texts, index)
+                    window.filtered = dropped
+                    if not self._put(self.q_in, (task, batch, window)):
                         return False
                     sent = True
                 return self._put(self.q_in, (task, None, None))
@@ -156,9 +161,8 @@ class Pipeline:
                     index.close()
         return False
 
-    def _plan(self, batch: pa.RecordBatch, index: TaskIndex | None) -> Window:
+    def _plan(self, batch: pa.RecordBatch, texts: list[str | None], index: TaskIndex | None) -> Window:
         """Which rows of a window reuse a previous vector, and the unique texts left to embed."""
-        texts = batch.column(self.p.spec.input.text_column).to_pylist()
         valid = np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts))
         hashes = text_hashes(texts)
         reuse = np.zeros(len(texts), dtype=bool)
@@ -280,7 +284,7 @@ class Pipeline:
                 step = dict(rows=batch.num_rows, embedded=w.embedded, reused=len(w.reuse),
                             deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
                             truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
-                            empty=w.empty)
+                            empty=w.empty, filtered=w.filtered)
                 for k, v in step.items():
                     counts[k] += v
                 self.progress(step)
@@ -292,8 +296,9 @@ class Pipeline:
 
     def _commit(self, writer: PartWriter, counts: dict) -> None:
         task = writer.task
-        if writer.rows != task.num_rows:
-            raise RunError(f"{task.file.url}: read {writer.rows} rows, its footer says {task.num_rows}")
+        if writer.rows + counts["filtered"] != task.num_rows:
+            raise RunError(f"{task.file.url}: read {writer.rows + counts['filtered']} rows, its footer says "
+                           f"{task.num_rows}")
         record = {"part": task.part_name, **counts, "input": task.input_fingerprint,
                   "job": {**self.p.fingerprint.as_dict(), "digest": self.p.fingerprint.digest},
                   "committed_at": now_utc()}

@@ -34,12 +34,73 @@ def _is_text(t: pa.DataType) -> bool:
         hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
 
 
+def _sql(expression: str):
+    import polars as pl
+
+    return pl.sql_expr(expression)
+
+
+def _column_keys(spec: InputSpec) -> dict[str, str]:
+    """Each input column the job reads -> the job key that names it (for messages)."""
+    keys: dict[str, str] = {}
+    if spec.text_sql:
+        keys.update({c: "input.text_sql" for c in _sql(spec.text_sql).meta.root_names()})
+    else:
+        keys[spec.text_column] = "input.text_column"
+    if spec.where:
+        keys.update({c: "input.where" for c in _sql(spec.where).meta.root_names() if c not in keys})
+    if spec.id_column:
+        keys.setdefault(spec.id_column, "input.id_column")
+    for c in spec.carry_columns:
+        keys.setdefault(c, "input.carry_columns")
+    return keys
+
+
 def needed_columns(spec: InputSpec) -> list[str]:
-    cols = [spec.text_column]
-    for c in [spec.id_column, *spec.carry_columns]:
-        if c and c not in cols:
-            cols.append(c)
-    return cols
+    return list(_column_keys(spec))
+
+
+def select_rows(spec: InputSpec, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, list[str | None], int]:
+    """The rows the job keeps (input.where) and their texts (input.text_column or input.text_sql).
+
+    Returns (kept rows, their texts, rows dropped). A row whose condition is null is dropped,
+    as in SQL; a text expression that is null (e.g. a null operand of ||) is a null text.
+    """
+    if not spec.text_sql and not spec.where:
+        return batch, batch.column(spec.text_column).to_pylist(), 0
+    import polars as pl
+
+    df = pl.from_arrow(batch)
+    dropped = 0
+    if spec.where:
+        keep = df.select(_sql(spec.where).fill_null(False)).to_series()
+        dropped = len(keep) - int(keep.sum())
+        if dropped:
+            df = df.filter(keep)
+            batch = batch.filter(keep.to_arrow())
+    if spec.text_sql:
+        texts = df.select(_sql(spec.text_sql).cast(pl.String)).to_series().to_list()
+    else:
+        texts = batch.column(spec.text_column).to_pylist()
+    return batch, texts, dropped
+
+
+def _check_sql(spec: InputSpec, schema: pa.Schema, url: str) -> None:
+    """Evaluate text_sql / where on no rows of this file's columns: types and names, before any work."""
+    import polars as pl
+
+    empty = pl.from_arrow(schema.empty_table())
+    for key, expression, want in (("input.text_sql", spec.text_sql, "a string"),
+                                  ("input.where", spec.where, "a true/false condition")):
+        if not expression:
+            continue
+        try:
+            dtype = empty.select(_sql(expression)).dtypes[0]
+        except Exception as e:  # noqa: BLE001 - polars raises several kinds
+            raise JobError(f"{key} {expression!r} fails on the columns of {url}: {e}") from None
+        ok = dtype in (pl.String, pl.Null) if key == "input.text_sql" else dtype in (pl.Boolean, pl.Null)
+        if not ok:
+            raise JobError(f"{key} {expression!r} gives {dtype} on {url}, not {want}")
 
 
 def _read_footer(fs, path: str) -> pq.FileMetaData:
@@ -56,15 +117,18 @@ def _inspect_one(fs, root: str, path: str, spec: InputSpec) -> InputFile:
         raise RunError(f"input file vanished while planning: {url}") from None
     except (pa.ArrowException, OSError, ValueError) as e:
         raise RunError(f"cannot read Parquet file {url}: {e}") from None
-    cols = needed_columns(spec)
+    keys = _column_keys(spec)
+    cols = list(keys)
     missing = [c for c in cols if c not in schema.names]
     if missing:
-        keys = {spec.text_column: "input.text_column", spec.id_column: "input.id_column"}
-        which = ", ".join(f"{keys.get(c, 'input.carry_columns')} {c!r}" for c in missing)
+        which = ", ".join(f"{keys[c]} {c!r}" for c in missing)
         raise JobError(f"{which} not in {url}; its columns are: {', '.join(schema.names)}")
-    text_type = schema.field(spec.text_column).type
-    if not _is_text(text_type) and not pa.types.is_null(text_type):
-        raise JobError(f"input.text_column {spec.text_column!r} in {url} is {text_type}, not a string column")
+    if not spec.text_sql:
+        text_type = schema.field(spec.text_column).type
+        if not _is_text(text_type) and not pa.types.is_null(text_type):
+            raise JobError(f"input.text_column {spec.text_column!r} in {url} is {text_type}, not a string column")
+    if spec.text_sql or spec.where:
+        _check_sql(spec, pa.schema([schema.field(c) for c in cols]), url)
     return InputFile(
         path=path,
         url=url,

@@ -20,7 +20,7 @@ from .model import ModelInfo, model_content_hash, read_model_info
 from .incremental import TEXT_HASH, Previous, copy_parts, open_previous
 from .pipeline import COUNTS, Pipeline, now_utc
 from .plan import JobFingerprint, Task, in_shard, make_tasks
-from .reader import InputFile, inspect_inputs, iter_batches
+from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, select_rows
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
                       write_bytes_atomic, write_json_atomic)
 from .tokenizer import Tokenizer
@@ -141,7 +141,9 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
             max_length=max_length,
             prefix=spec.model.text_prefix,
             columns={"text": spec.input.text_column, "id": spec.input.id_column,
-                     "carry": list(spec.input.carry_columns)},
+                     "carry": list(spec.input.carry_columns),
+                     # only when set: outputs made before these keys existed keep their digest
+                     **{k: v for k, v in (("text_sql", spec.input.text_sql), ("where", spec.input.where)) if v}},
         )
         if spec.incremental is not None:
             inc = spec.incremental
@@ -166,8 +168,8 @@ def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:
     for f in p.files[:4]:
         if not f.row_group_rows:
             continue
-        for batch in iter_batches(p.in_fs, f, [0], [p.spec.input.text_column], per_file):
-            t = tok(batch.column(0).to_pylist())
+        for batch in iter_batches(p.in_fs, f, [0], needed_columns(p.spec.input), per_file):
+            t = tok(select_rows(p.spec.input, batch)[1])
             seen_rows, seen_tokens = seen_rows + len(t.valid), seen_tokens + int(t.lengths.sum())
             break
     total_rows = sum(f.num_rows for f in p.files)
@@ -256,6 +258,7 @@ class Stats:
     truncated: int = 0
     nulls: int = 0
     empty: int = 0
+    filtered: int = 0  # input rows input.where left out (not in the output)
     tasks_run: int = 0
     tasks_skipped: int = 0
     rows_run: int = 0  # embedded by this run (the counts above include parts done before)
@@ -564,10 +567,11 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
         "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
                       "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
                       "packed_bits": spec.embedding.output_dtype in ("binary", "ubinary")},
-        "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "id_column": spec.input.id_column,
+        "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "text_sql": spec.input.text_sql,
+                  "where": spec.input.where, "id_column": spec.input.id_column,
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
         "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "reused", "deduplicated", "deleted",
-                                                   "tokens", "truncated", "nulls", "empty")},
+                                                   "filtered", "tokens", "truncated", "nulls", "empty")},
         "incremental": p.previous.summary() if p.previous is not None else None,
         "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
                    "counts": {k: r.get(k, 0) for k in COUNTS if k not in ("rows", "matched")}}
