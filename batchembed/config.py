@@ -76,9 +76,13 @@ class ModelSpec(_Strict):
 
 class EmbeddingSpec(_Strict):
     dimensions: list[int] | None = None
-    output_dtype: Literal["float32", "float16", "binary", "ubinary"] = Field(
-        "float32", description="binary / ubinary: one sign bit per dimension, 8 to a byte, as "
-        "sentence-transformers' quantize_embeddings (int8 values minus 128 / uint8)")
+    output_dtype: Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"] = Field(
+        "float32", description="int8 / uint8: 256 steps per dimension between the min and max of a "
+        "calibration sample; binary / ubinary: one sign bit per dimension, 8 to a byte; both as "
+        "sentence-transformers' quantize_embeddings")
+    calibration_rows: int = Field(10_000, ge=2, description="int8 / uint8: rows (the first in plan order) "
+                                  "whose embeddings give each dimension's range; stored as "
+                                  "_calibration.json in the output and used for every part")
 
     @field_validator("dimensions", mode="before")
     @classmethod

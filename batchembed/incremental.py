@@ -142,6 +142,10 @@ def open_previous(uri: str, storage_options: dict, fp: JobFingerprint, id_column
         reasons.append("it has no id column")
     if job.get("output_dtype") in ("binary", "ubinary"):
         reasons.append(f"its vectors are {job.get('output_dtype')} bits, not floats")
+    elif job.get("output_dtype") in ("int8", "uint8"):
+        reasons.append(f"its vectors are {job.get('output_dtype')}, not floats")
+    elif fp.output_dtype in ("int8", "uint8"):
+        reasons.append(f"this job writes {fp.output_dtype}, whose ranges are each output's own calibration")
     elif job.get("output_dtype") == "float16" and fp.output_dtype == "float32":
         reasons.append("its vectors are float16 and this job writes float32")
     names = manifest.get("embedding", {}).get("columns", {})

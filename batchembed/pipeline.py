@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from . import storage
+from . import calibration, storage
 from .batcher import token_budget_batches
 from .errors import RunError
 from .incremental import TaskIndex, id_keys, text_hashes
@@ -98,6 +98,8 @@ class Pipeline:
         self.failed: list[dict] = []
         self.engine_seconds = 0.0
         self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens) of each engine call
+        # int8 / uint8: the output's calibration, made before any pipeline starts
+        self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in calibration.SCALAR else None
 
     def _put(self, q: queue.Queue, item) -> bool:
         while not self.stop.is_set():
@@ -277,7 +279,8 @@ class Pipeline:
                     matrix[w.need] = embedded[d]
                     if len(w.reuse):
                         matrix[w.reuse] = w.reused[d]
-                    arrays.append(vector_array(matrix, w.valid, p.spec.embedding.output_dtype))
+                    arrays.append(vector_array(matrix, w.valid, p.spec.embedding.output_dtype,
+                                               self.calibration.ranges[d] if self.calibration else None))
                 # by name, then cast by the writer: a carried column may be large_string in one file
                 # and string in another
                 writer.write(pa.Table.from_arrays(arrays, names=writer.schema.names))
@@ -302,6 +305,8 @@ class Pipeline:
         record = {"part": task.part_name, **counts, "input": task.input_fingerprint,
                   "job": {**self.p.fingerprint.as_dict(), "digest": self.p.fingerprint.digest},
                   "committed_at": now_utc()}
+        if self.calibration is not None:
+            record["calibration"] = self.calibration.digest
         writer.commit(self.p.out_fs, self.p.out_root, record)
         self.records[task.index] = record
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import __version__, storage
+from . import __version__, calibration, storage
 from .config import JobSpec
 from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
@@ -205,7 +205,8 @@ def clear_output(p: Prepared) -> None:
     """Remove everything batchembed wrote under the output root, marker first."""
     fs, root = p.out_fs, p.out_root
     commit_paths, part_paths = _our_files(p)
-    for path in [f"{root}/{SUCCESS}", f"{root}/{MANIFEST}", *commit_paths, *sorted(part_paths)]:
+    for path in [f"{root}/{SUCCESS}", f"{root}/{MANIFEST}", *commit_paths, *sorted(part_paths),
+                 f"{root}/{calibration.CALIBRATION}"]:
         remove(fs, path)
 
 
@@ -446,6 +447,16 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     copied: dict[int, dict] = {}
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, fs, root, _record_base(p))
+    own = None
+    if pending and spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None:
+        # int8 ranges come first, from one engine: the one this run will use when it runs one
+        # engine here, else one started (and closed) for it
+        if engine is None:
+            engine = own = make_engine(p)
+        calibration.ensure(p, lambda: engine)
+        if own is not None and (spec.executor == "ray" or spec.engine.data_parallel > 1):
+            own.close()
+            engine = own = None
     bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
                dynamic_ncols=True, smoothing=0.1)
     try:
@@ -461,6 +472,8 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
         bar.close()
+        if own is not None:
+            own.close()
     result.records.update(copied)
     for r in result.records.values():
         stats.add(r)
@@ -549,6 +562,14 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
     missing = _missing_parts(p, records, failed)
     if missing:
         raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
+    cal = None
+    if p.spec.embedding.output_dtype in calibration.SCALAR:
+        cal = calibration.require(p)
+        other = sorted(r["part"] for r in records.values() if r.get("calibration") != cal.digest)
+        if other:  # shards that calibrated at the same moment, each its own way
+            raise RunError(f"{len(other)} part(s) were written with other int8 ranges than "
+                           f"{calibration.CALIBRATION} holds (e.g. {other[0]}); delete them and their "
+                           "commit records, or rerun with --overwrite")
     totals = _totals(p, records)
     stats.deleted = totals.deleted
     spec = p.spec
@@ -566,7 +587,10 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                   "is_matryoshka": p.model.is_matryoshka},
         "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
                       "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
-                      "packed_bits": spec.embedding.output_dtype in ("binary", "ubinary")},
+                      "packed_bits": spec.embedding.output_dtype in ("binary", "ubinary"),
+                      "calibration": None if cal is None else {
+                          "file": calibration.CALIBRATION, "rows": cal.rows, "digest": cal.digest,
+                          "ranges": {str(d): r.tolist() for d, r in cal.ranges.items()}}},
         "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "text_sql": spec.input.text_sql,
                   "where": spec.input.where, "id_column": spec.input.id_column,
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},

@@ -31,13 +31,23 @@ SUCCESS = "_SUCCESS"
 PACKED = {"binary": pa.int8(), "ubinary": pa.uint8()}  # sign bits, 8 dimensions to a byte
 
 
-def vector_array(matrix: np.ndarray, valid: np.ndarray, dtype: str) -> pa.FixedSizeListArray:
+SCALAR = {"int8": pa.int8(), "uint8": pa.uint8()}  # one value per dimension, calibrated ranges
+
+
+def vector_array(matrix: np.ndarray, valid: np.ndarray, dtype: str,
+                 ranges: np.ndarray | None = None) -> pa.FixedSizeListArray:
     """A fixed-size-list column from a (rows, d) matrix; rows where `valid` is False are null.
 
     binary / ubinary follow sentence-transformers' quantize_embeddings: the bits of
     `vector > 0` packed 8 to a byte (numpy packbits, first dimension in the high bit),
-    as uint8 (ubinary) or as int8 after subtracting 128 (binary)."""
-    if dtype in PACKED:
+    as uint8 (ubinary) or as int8 after subtracting 128 (binary). int8 / uint8 need the
+    calibration `ranges` (calibration.quantize)."""
+    if dtype in SCALAR:
+        from .calibration import quantize
+
+        values = pa.array(quantize(matrix, ranges, dtype).reshape(-1))
+        width = matrix.shape[1]
+    elif dtype in PACKED:
         packed = np.packbits(matrix > 0, axis=1)
         values = pa.array((packed.astype(np.int16) - 128).astype(np.int8).reshape(-1) if dtype == "binary"
                           else packed.reshape(-1))
@@ -53,6 +63,8 @@ def vector_array(matrix: np.ndarray, valid: np.ndarray, dtype: str) -> pa.FixedS
 def vector_type(dim: int, dtype: str) -> pa.DataType:
     if dtype in PACKED:
         return pa.list_(PACKED[dtype], dim // 8)
+    if dtype in SCALAR:
+        return pa.list_(SCALAR[dtype], dim)
     return pa.list_(pa.float16() if dtype == "float16" else pa.float32(), dim)
 
 

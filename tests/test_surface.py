@@ -92,3 +92,44 @@ def test_validate_lists_every_problem_at_once(tmp_path):
     assert "3 problem(s)" in r.stderr and "no-such-model" in r.stderr
     assert "embedding.dimensions: 100 is not a multiple of 8" in r.stderr
     assert "input.text_column 'text' not in" in r.stderr
+
+
+def test_int8_and_uint8_use_one_calibration_for_every_part(tmp_path, engine):
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    texts = [f"calibration text {i} on {'rivers' if i % 3 else 'mountains'} and {'tea' * (i % 4)}" for i in range(48)]
+    for k in range(2):  # two files, two parts: the second part must use the ranges of the first rows
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 24, k * 24 + 24)),
+                                                           "text": texts[k * 24:(k + 1) * 24]})
+    dims = {"dimensions": [384, 64]}
+    run_job(make_job(tmp_path / "in", tmp_path / "f32", embedding=dims), engine=engine, show_progress=False)
+    floats = read_output(tmp_path / "f32")
+    for precision in ("int8", "uint8"):
+        out = tmp_path / precision
+        spec = make_job(tmp_path / "in", out, embedding={**dims, "output_dtype": precision, "calibration_rows": 20})
+        run_job(spec, engine=engine, show_progress=False)
+        cal = json.loads((out / "_calibration.json").read_text())
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert cal["rows"] == 20 and manifest["embedding"]["calibration"]["digest"] == cal["digest"]
+        t = read_output(out)
+        for d in (384, 64):
+            ref = np.asarray(floats.column(f"embedding_{d}").to_pylist(), dtype=np.float32)
+            want = quantize_embeddings(ref, precision=precision, calibration_embeddings=ref[:20])
+            got = np.asarray(t.column(f"embedding_{d}").to_pylist(), dtype=want.dtype)
+            assert t.column(f"embedding_{d}").type.value_type == ("int8" if precision == "int8" else "uint8")
+            diff = np.abs(got.astype(int) - want.astype(int))
+            # separate engine calls: a value on a step boundary may land one step off
+            assert diff.max() <= 1 and (diff == 0).mean() > 0.97, (precision, d, diff.max(), (diff == 0).mean())
+        assert verify_output(str(out))[0] == []
+    # a resumed run reads the stored ranges: a redone part comes out the same
+    out = tmp_path / "int8"
+    before = read_output(out).column("embedding_64").to_pylist()
+    part = sorted(out.glob("part-*.parquet"))[1]
+    part.unlink()
+    for c in (out / "_commits").glob("*.json"):
+        if part.stem in c.name:
+            c.unlink()
+    (out / "_SUCCESS").unlink()
+    spec = make_job(tmp_path / "in", out, embedding={**dims, "output_dtype": "int8", "calibration_rows": 20})
+    again = run_job(spec, engine=engine, show_progress=False)
+    assert again.tasks_run == 1 and read_output(out).column("embedding_64").to_pylist() == before

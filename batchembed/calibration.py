@@ -1,0 +1,116 @@
+"""int8 / uint8 output: per-dimension ranges from a calibration sample, fixed for the whole output.
+
+Scalar quantisation as sentence-transformers' quantize_embeddings defines it: for each
+dimension, [min, max] over calibration embeddings is cut into 255 steps. The ranges must be
+the same for every part, shard and resumed run, or vectors written at different times would
+not compare. So they are computed once, from the first `embedding.calibration_rows` non-null
+rows in plan order (the same rows whichever shard gets there first), and stored beside the
+parts as _calibration.json; every later run, shard and engine process reads them from there.
+Each part's commit record names the ranges it was written with, and the manifest refuses
+parts written with others.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import RunError
+from .matryoshka import reduce
+from .reader import iter_batches, needed_columns, select_rows
+from .storage import read_json, write_json_atomic
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .runner import Prepared
+
+log = logging.getLogger(__name__)
+
+CALIBRATION = "_calibration.json"
+SCALAR = ("int8", "uint8")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    ranges: dict[int, np.ndarray]  # dimension -> (2, d) float32: per-dimension min and max
+    rows: int
+    digest: str
+
+
+def quantize(matrix: np.ndarray, ranges: np.ndarray, dtype: str) -> np.ndarray:
+    """sentence-transformers' scalar quantisation: 255 steps between each dimension's min and max,
+    values outside the calibration range clipped to its ends."""
+    starts = ranges[0]
+    steps = (ranges[1] - starts) / 255
+    steps = np.where(steps == 0, 1, steps)
+    q = np.clip(np.floor((matrix - starts) / steps), 0, 255)
+    return (q - 128).astype(np.int8) if dtype == "int8" else q.astype(np.uint8)
+
+
+def _path(p: Prepared) -> str:
+    return f"{p.out_root}/{CALIBRATION}"
+
+
+def _parse(obj: dict) -> Calibration:
+    ranges = {int(d): np.asarray(r, dtype=np.float32) for d, r in obj["ranges"].items()}
+    return Calibration(ranges, int(obj["rows"]), obj["digest"])
+
+
+def load(p: Prepared) -> Calibration | None:
+    """The output's calibration, if one was made for this job."""
+    obj = read_json(p.out_fs, _path(p))
+    if not obj or obj.get("job") != p.fingerprint.digest:
+        return None
+    return _parse(obj)
+
+
+def require(p: Prepared) -> Calibration:
+    c = load(p)
+    if c is None:
+        raise RunError(f"{_path(p)} is missing: int8/uint8 parts need the output's calibration, made "
+                       "at the start of the run")
+    return c
+
+
+def ensure(p: Prepared, engine_factory) -> Calibration:
+    """Load the output's calibration, or make it from the first rows in plan order and store it."""
+    c = load(p)
+    if c is not None:
+        return c
+    want = p.spec.embedding.calibration_rows
+    texts: list[str] = []
+    spec = p.spec.input
+    for task in p.tasks:
+        for batch in iter_batches(p.in_fs, task.file, list(task.row_groups), needed_columns(spec), 8192):
+            texts += [t for t in select_rows(spec, batch)[1] if t is not None]
+            if len(texts) >= want:
+                break
+        if len(texts) >= want:
+            break
+    texts = texts[:want]
+    if len(texts) < 2:
+        raise RunError(f"embedding.output_dtype {p.spec.embedding.output_dtype}: the input has "
+                       f"{len(texts)} non-null text(s), too few to calibrate ranges")
+    if len(texts) < 100:
+        log.warning("int8 calibration from only %d rows; ranges are more stable from more", len(texts))
+    log.info("calibrating %s ranges from the first %d rows", p.spec.embedding.output_dtype, len(texts))
+    tok = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts)
+    full = engine_factory().embed(tok.ids)
+    reduced = reduce(full, p.dimensions)
+    ranges = {d: np.vstack((m.min(axis=0), m.max(axis=0))).astype(np.float32) for d, m in reduced.items()}
+    body = {"ranges": {str(d): r.tolist() for d, r in ranges.items()}, "rows": len(texts)}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    # Shards that start together may both get here; the first stored wins, the rest use it.
+    again = load(p)
+    if again is not None:
+        return again
+    write_json_atomic(p.out_fs, _path(p), {**body, "digest": digest, "job": p.fingerprint.digest,
+                                           "precision": p.spec.embedding.output_dtype,
+                                           "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+    return require(p)
