@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import RunError
 from .matryoshka import reduce
-from .reader import iter_batches, needed_columns, select_rows
+from .reader import first_texts
 from .storage import read_json, write_json_atomic
 from .tokenizer import Tokenizer
 
@@ -78,22 +78,13 @@ def require(p: Prepared) -> Calibration:
     return c
 
 
-def ensure(p: Prepared, engine_factory) -> Calibration:
+def ensure(p: Prepared, engine) -> Calibration:
     """Load the output's calibration, or make it from the first rows in plan order and store it."""
     c = load(p)
     if c is not None:
         return c
     want = p.spec.embedding.calibration_rows
-    texts: list[str] = []
-    spec = p.spec.input
-    for task in p.tasks:
-        for batch in iter_batches(p.in_fs, task.file, list(task.row_groups), needed_columns(spec), 8192):
-            texts += [t for t in select_rows(spec, batch)[1] if t is not None]
-            if len(texts) >= want:
-                break
-        if len(texts) >= want:
-            break
-    texts = texts[:want]
+    texts = first_texts(p, want)
     if len(texts) < 2:
         raise RunError(f"embedding.output_dtype {p.spec.embedding.output_dtype}: the input has "
                        f"{len(texts)} non-null text(s), too few to calibrate ranges")
@@ -101,7 +92,7 @@ def ensure(p: Prepared, engine_factory) -> Calibration:
         log.warning("int8 calibration from only %d rows; ranges are more stable from more", len(texts))
     log.info("calibrating %s ranges from the first %d rows", p.spec.embedding.output_dtype, len(texts))
     tok = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts)
-    full = engine_factory().embed(tok.ids)
+    full = engine.embed(tok.ids)
     reduced = reduce(full, p.dimensions)
     ranges = {d: np.vstack((m.min(axis=0), m.max(axis=0))).astype(np.float32) for d, m in reduced.items()}
     body = {"ranges": {str(d): r.tolist() for d, r in ranges.items()}, "rows": len(texts)}

@@ -159,6 +159,10 @@ class JobSpec(_Strict):
         "fail", description="skip: an unreadable input file is recorded and the rest still run (exit 1)")
     retry: RetrySpec = RetrySpec()
     incremental: IncrementalSpec | None = None
+    fidelity_check: Literal["auto", "off"] = Field(
+        "auto", description="auto: before the first part, embed the first 16 rows with the engine and with "
+        "sentence-transformers (when installed and the model is one) and refuse to run if they disagree")
+    fidelity_min_cosine: float = Field(0.98, gt=0, le=1, description="the lowest per-row cosine accepted")
     executor: Literal["local", "ray"] = "local"
     ray: RaySpec = RaySpec()
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "

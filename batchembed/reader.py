@@ -189,3 +189,14 @@ def iter_batches(fs, file: InputFile, row_groups: list[int], columns: list[str],
         if is_transient(e):
             raise
         raise RunError(f"cannot read Parquet file {file.url}: {type(e).__name__}: {e}") from None
+
+
+def first_texts(p, n: int) -> list[str]:
+    """The first `n` non-null texts in plan order (the same rows for every shard and rerun)."""
+    texts: list[str] = []
+    for task in p.tasks:
+        for batch in iter_batches(p.in_fs, task.file, list(task.row_groups), needed_columns(p.spec.input), 8192):
+            texts += [t for t in select_rows(p.spec.input, batch)[1] if t is not None]
+            if len(texts) >= n:
+                return texts[:n]
+    return texts

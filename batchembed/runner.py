@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import __version__, calibration, storage
+from . import __version__, calibration, fidelity, storage
 from .config import JobSpec
 from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
@@ -206,7 +206,7 @@ def clear_output(p: Prepared) -> None:
     fs, root = p.out_fs, p.out_root
     commit_paths, part_paths = _our_files(p)
     for path in [f"{root}/{SUCCESS}", f"{root}/{MANIFEST}", *commit_paths, *sorted(part_paths),
-                 f"{root}/{calibration.CALIBRATION}"]:
+                 f"{root}/{calibration.CALIBRATION}", f"{root}/{fidelity.FIDELITY}"]:
         remove(fs, path)
 
 
@@ -448,12 +448,22 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, fs, root, _record_base(p))
     own = None
-    if pending and spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None:
-        # int8 ranges come first, from one engine: the one this run will use when it runs one
-        # engine here, else one started (and closed) for it
+    preflight = [step for step, due in (
+        (fidelity.check, fidelity.needed(p)),
+        (calibration.ensure, spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None))
+        if due and pending]
+    if preflight:
+        # Checks that need an engine come before any part: on the engine this run will use
+        # when it runs one here, else on one started (and closed) for them.
         if engine is None:
             engine = own = make_engine(p)
-        calibration.ensure(p, lambda: engine)
+        try:
+            for step in preflight:
+                step(p, engine)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
         if own is not None and (spec.executor == "ray" or spec.engine.data_parallel > 1):
             own.close()
             engine = own = None
@@ -597,6 +607,7 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
         "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "reused", "deduplicated", "deleted",
                                                    "filtered", "tokens", "truncated", "nulls", "empty")},
         "incremental": p.previous.summary() if p.previous is not None else None,
+        "fidelity": {"status": "off"} if spec.fidelity_check == "off" else fidelity.recorded(p),
         "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
                    "counts": {k: r.get(k, 0) for k in COUNTS if k not in ("rows", "matched")}}
                   for t in p.tasks if (r := records.get(t.index))],

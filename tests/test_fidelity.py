@@ -1,0 +1,44 @@
+"""The fidelity guard: the engine's vectors against sentence-transformers' before any part."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import make_job, write_parquet
+
+from batchembed.errors import RunError
+from batchembed.runner import make_engine, prepare, run_job
+
+TEXTS = [f"row {i} is about {'cats' if i % 2 else 'the stock market'} and more" for i in range(20)]
+
+
+def test_agreeing_engine_passes_and_is_recorded(tmp_path, engine):
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out"), engine=engine, show_progress=False)
+    f = json.loads((tmp_path / "out" / "manifest.json").read_text())["fidelity"]
+    assert f["status"] == "passed" and f["rows"] == 16 and f["min_cosine"] > 0.999
+
+
+def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
+    """A sentence-transformers default prompt that vLLM does not apply: every vector would differ."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in model_info.path.iterdir():
+        if f.name != "config_sentence_transformers.json":
+            (model / f.name).symlink_to(f)
+    cfg = json.loads((model_info.path / "config_sentence_transformers.json").read_text())
+    cfg.update(prompts={"query": "query: "}, default_prompt_name="query")
+    (model / "config_sentence_transformers.json").write_text(json.dumps(cfg))
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
+    spec = make_job(tmp_path / "in.parquet", tmp_path / "out", model={"name": str(model)})
+    engine = make_engine(prepare(spec))
+    try:
+        with pytest.raises(RunError, match=r"fidelity check failed .* cosine .* is 0\.[0-8][0-9]* at worst"):
+            run_job(spec, engine=engine, show_progress=False)
+        assert not list((tmp_path / "out").glob("part-*")) and not (tmp_path / "out" / "_fidelity.json").exists()
+        off = make_job(tmp_path / "in.parquet", tmp_path / "out", model={"name": str(model)}, fidelity_check="off")
+        run_job(off, engine=engine, show_progress=False)
+        assert json.loads((tmp_path / "out" / "manifest.json").read_text())["fidelity"] == {"status": "off"}
+    finally:
+        engine.close()
