@@ -30,3 +30,30 @@ def token_budget_batches(lengths: np.ndarray, token_budget: int, max_rows: int) 
     if start < len(order):
         batches.append(order[start:])
     return batches
+
+
+def embed_rows(engine, tok, rows: np.ndarray) -> np.ndarray:
+    """Vectors for rows `rows` of a Tokenized, in one engine call, sequences in token-budget
+    batch order (vLLM's scheduler then runs our batches as its steps back to back).
+
+    A chunked row (long_text: chunk) is the token-weighted mean of its windows' vectors,
+    renormalised. Returns float32 (len(rows), dimension), L2-normalised rows."""
+    if not tok.chunks:
+        batches = token_budget_batches(tok.lengths[rows], engine.token_budget, engine.max_batch_rows)
+        order = np.concatenate(batches)  # positions in rows
+        out = np.empty((len(rows), engine.dimension), dtype=np.float32)
+        out[order] = engine.embed([tok.ids[i] for i in rows[order].tolist()])
+        return out
+    seqs, owner = [], []
+    for k, i in enumerate(rows.tolist()):
+        for ids in tok.chunks.get(i, (tok.ids[i],)):
+            seqs.append(ids)
+            owner.append(k)
+    lengths = np.fromiter((len(x) for x in seqs), dtype=np.int64, count=len(seqs))
+    order = np.concatenate(token_budget_batches(lengths, engine.token_budget, engine.max_batch_rows))
+    vectors = np.empty((len(seqs), engine.dimension), dtype=np.float32)
+    vectors[order] = engine.embed([seqs[j] for j in order])
+    pooled = np.zeros((len(rows), engine.dimension), dtype=np.float64)
+    np.add.at(pooled, np.asarray(owner), vectors * lengths[:, None])
+    pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+    return pooled.astype(np.float32)

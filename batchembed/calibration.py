@@ -25,7 +25,8 @@ from .errors import RunError
 from .matryoshka import reduce
 from .reader import first_texts
 from .storage import read_json, write_json_atomic
-from .tokenizer import Tokenizer
+from .batcher import embed_rows
+from .tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
     from .runner import Prepared
@@ -91,8 +92,8 @@ def ensure(p: Prepared, engine) -> Calibration:
     if len(texts) < 100:
         log.warning("int8 calibration from only %d rows; ranges are more stable from more", len(texts))
     log.info("calibrating %s ranges from the first %d rows", p.spec.embedding.output_dtype, len(texts))
-    tok = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts)
-    full = engine.embed(tok.ids)
+    tok = make_tokenizer(p)(texts)
+    full = embed_rows(engine, tok, np.arange(len(texts)))
     reduced = reduce(full, p.dimensions)
     ranges = {d: np.vstack((m.min(axis=0), m.max(axis=0))).astype(np.float32) for d, m in reduced.items()}
     body = {"ranges": {str(d): r.tolist() for d, r in ranges.items()}, "rows": len(texts)}

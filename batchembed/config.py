@@ -59,6 +59,10 @@ class ModelSpec(_Strict):
                              "query, retrieve relevant passages'; goes before every text through "
                              "instruction_format")
     instruction_format: str = "Instruct: {instruction}\nQuery: "
+    long_text: Literal["truncate", "chunk"] = Field(
+        "truncate", description="a text longer than max_length: truncate it, or chunk it into windows of "
+        "max_length tokens, embed each and pool them (token-weighted mean, renormalised) into one vector")
+    chunk_overlap: int = Field(32, ge=0, description="long_text: chunk: tokens each window shares with the next")
 
     @field_validator("instruction_format")
     @classmethod
@@ -160,7 +164,7 @@ class JobSpec(_Strict):
     retry: RetrySpec = RetrySpec()
     incremental: IncrementalSpec | None = None
     fidelity_check: Literal["auto", "off"] = Field(
-        "auto", description="auto: before the first part, embed the first 16 rows with the engine and with "
+        "auto", description="auto: when an engine starts, embed the first 16 rows with the engine and with "
         "sentence-transformers (when installed and the model is one) and refuse to run if they disagree")
     fidelity_min_cosine: float = Field(0.98, gt=0, le=1, description="the lowest per-row cosine accepted")
     executor: Literal["local", "ray"] = "local"

@@ -2,8 +2,8 @@
 
 vLLM re-implements each model. When it pools differently, skips a module of the
 sentence-transformers pipeline (a 2_Dense projection, a default prompt), or truncates
-differently, every vector of a 100 M-row run is quietly wrong. So before the first part is
-written, a sample of the corpus (the first rows in plan order) is embedded both by the
+differently, every vector of a 100 M-row run is quietly wrong. So when an engine starts,
+before its first vector, a sample of the corpus (the first rows in plan order) is embedded both by the
 engine and by sentence-transformers, and the run refuses to start (exit 1) when a row's
 cosine is below `fidelity_min_cosine`. The result is stored as _fidelity.json in the
 output (a resumed run does not repeat it) and copied into the manifest.

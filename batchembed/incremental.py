@@ -138,6 +138,9 @@ def open_previous(uri: str, storage_options: dict, fp: JobFingerprint, id_column
     for key in ("model_hash", "dtype", "max_length", "prefix"):
         if job.get(key) != now[key]:
             reasons.append(f"{key} differs ({job.get(key)!r} there, {now[key]!r} now)")
+    if job.get("long_text", "truncate") != now.get("long_text", "truncate"):
+        reasons.append(f"long_text differs ({job.get('long_text', 'truncate')!r} there, "
+                       f"{now.get('long_text', 'truncate')!r} now)")
     if not prev_id:
         reasons.append("it has no id column")
     if job.get("output_dtype") in ("binary", "ubinary"):

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from . import calibration, storage
-from .batcher import token_budget_batches
+from . import calibration, fidelity, storage
+from .batcher import embed_rows
 from .errors import RunError
 from .incremental import TaskIndex, id_keys, text_hashes
 from .matryoshka import reduce
 from .plan import Task
 from .reader import iter_batches, needed_columns, select_rows
 from .storage import is_transient
-from .tokenizer import Tokenized, Tokenizer
+from .tokenizer import Tokenized, make_tokenizer
 from .writer import PartWriter, vector_array
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ def now_utc() -> str:
 
 
 # counted per part (commit records) and per run (Stats)
-COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "nulls", "empty",
-          "filtered")
+COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "chunked", "nulls",
+          "empty", "filtered")
 
 
 @dataclass
@@ -62,6 +62,7 @@ class Window:
     matched: int  # rows whose id was found in the previous output
     empty: int
     filtered: int = 0  # rows input.where dropped before this window
+    chunked: int = 0  # rows embedded as several windows (long_text: chunk)
     full: np.ndarray | None = None  # (len(uniq), model dimension), set by the engine thread
     embedded: int = 0  # unique texts the engine embedded (the rest came from the cache)
     tokens: int = 0
@@ -89,7 +90,7 @@ class Pipeline:
         cache_mb = p.spec.engine.dedup_cache_mb
         self.cache_rows = cache_mb * 2**20 // (4 * p.model.dimension)
         self.cache: OrderedDict[int, np.ndarray] | None = OrderedDict() if self.cache_rows else None
-        self.tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)
+        self.tokenizer = make_tokenizer(p)
         self.q_in: queue.Queue = queue.Queue(maxsize=4)
         self.q_out: queue.Queue = queue.Queue(maxsize=4)
         self.stop = stop or threading.Event()
@@ -177,13 +178,23 @@ class Pipeline:
         need = np.flatnonzero(valid & ~reuse)
         uniq, first, inverse = np.unique(hashes[need], return_index=True, return_inverse=True)
         tok = self.tokenizer([texts[i] for i in need[first]])
+        inverse = inverse.reshape(-1)
+        chunked = 0
+        if tok.chunks:
+            long_uniq = np.zeros(len(uniq), dtype=bool)
+            long_uniq[list(tok.chunks)] = True
+            chunked = int(long_uniq[inverse].sum())
         return Window(hashes=hashes, valid=valid, reuse=np.flatnonzero(reuse), reused=reused, need=need,
-                      inverse=inverse.reshape(-1), uniq=uniq, tok=tok, matched=matched,
-                      empty=sum(1 for t in texts if t == ""))
+                      inverse=inverse, uniq=uniq, tok=tok, matched=matched,
+                      empty=sum(1 for t in texts if t == ""), chunked=chunked)
 
     def _engine(self):
         if self.engine is None:
-            self.engine = self.engine_factory()
+            engine = self.engine_factory()
+            # before this engine's first vector: does it agree with sentence-transformers?
+            if fidelity.needed(self.p):
+                fidelity.check(self.p, engine)
+            self.engine = engine
         return self.engine
 
     def _embed_window(self, w: Window) -> None:
@@ -206,9 +217,7 @@ class Pipeline:
             # runs our batches as its steps back to back, without a Python round trip
             # between batches (measured in notes/performance.md).
             lengths = w.tok.lengths[todo_idx]
-            batches = token_budget_batches(lengths, engine.token_budget, engine.max_batch_rows)
-            order = todo_idx[np.concatenate(batches)]
-            full[order] = engine.embed([w.tok.ids[i] for i in order])
+            full[todo_idx] = embed_rows(engine, w.tok, todo_idx)
             t1 = time.perf_counter()
             self.engine_seconds += t1 - t0
             self.calls.append((t0, t1, int(lengths.sum())))
@@ -287,6 +296,7 @@ class Pipeline:
                 step = dict(rows=batch.num_rows, embedded=w.embedded, reused=len(w.reuse),
                             deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
                             truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
+                            chunked=w.chunked,
                             empty=w.empty, filtered=w.filtered)
                 for k, v in step.items():
                     counts[k] += v

@@ -74,13 +74,17 @@ class JobFingerprint:
     max_length: int
     prefix: str
     columns: dict[str, Any] = field(default_factory=dict)
+    long_text: str = "truncate"  # or "chunk:<overlap>"
 
     def as_dict(self) -> dict[str, Any]:
         from .incremental import LAYOUT
 
-        return {"layout": LAYOUT, "model_hash": self.model_hash, "dimensions": list(self.dimensions),
-                "output_dtype": self.output_dtype, "dtype": self.dtype, "max_length": self.max_length,
-                "prefix": self.prefix, "columns": self.columns}
+        d = {"layout": LAYOUT, "model_hash": self.model_hash, "dimensions": list(self.dimensions),
+             "output_dtype": self.output_dtype, "dtype": self.dtype, "max_length": self.max_length,
+             "prefix": self.prefix, "columns": self.columns}
+        if self.long_text != "truncate":  # only when set: outputs made before it keep their digest
+            d["long_text"] = self.long_text
+        return d
 
     @property
     def digest(self) -> str:

@@ -23,7 +23,7 @@ from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, select_rows
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
                       write_bytes_atomic, write_json_atomic)
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, make_tokenizer
 from .writer import COMMITS, MANIFEST, SUCCESS, vector_type
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
         max_length = max_length or model.max_length
         dims = dims or [model.dimension]
         check(lambda: _check_model_fit(spec, model, max_length, dims, warnings))
+        if spec.model.long_text == "chunk":  # the windows must leave room for text
+            check(lambda: Tokenizer(model.path, max_length, spec.model.text_prefix, "chunk", spec.model.chunk_overlap))
     check(lambda: _check_columns(spec, dims))
     storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
     inputs = check(lambda: _read_inputs(spec))
@@ -144,6 +146,7 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
                      "carry": list(spec.input.carry_columns),
                      # only when set: outputs made before these keys existed keep their digest
                      **{k: v for k, v in (("text_sql", spec.input.text_sql), ("where", spec.input.where)) if v}},
+            long_text="truncate" if spec.model.long_text == "truncate" else f"chunk:{spec.model.chunk_overlap}",
         )
         if spec.incremental is not None:
             inc = spec.incremental
@@ -162,7 +165,7 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
 
 def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:
     """Tokens the whole corpus will take, from the first rows of up to 4 files."""
-    tok = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)
+    tok = make_tokenizer(p)
     seen_rows = seen_tokens = 0
     per_file = max(1, sample_rows // min(4, len(p.files)))
     for f in p.files[:4]:
@@ -257,6 +260,7 @@ class Stats:
     deleted: int = 0
     tokens: int = 0
     truncated: int = 0
+    chunked: int = 0  # long_text: chunk: rows embedded as several windows
     nulls: int = 0
     empty: int = 0
     filtered: int = 0  # input rows input.where left out (not in the output)
@@ -448,18 +452,13 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, fs, root, _record_base(p))
     own = None
-    preflight = [step for step, due in (
-        (fidelity.check, fidelity.needed(p)),
-        (calibration.ensure, spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None))
-        if due and pending]
-    if preflight:
-        # Checks that need an engine come before any part: on the engine this run will use
-        # when it runs one here, else on one started (and closed) for them.
+    if pending and spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None:
+        # int8 ranges come before any part, from one engine: the one this run will use when it
+        # runs one here, else one started (and closed) for them
         if engine is None:
             engine = own = make_engine(p)
         try:
-            for step in preflight:
-                step(p, engine)
+            calibration.ensure(p, engine)
         except BaseException:
             if own is not None:
                 own.close()
@@ -593,7 +592,8 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                   "dtype": spec.model.dtype, "max_length": p.max_length, "prefix": spec.model.prefix,
                   "instruction": spec.model.instruction or None,
                   "instruction_format": spec.model.instruction_format if spec.model.instruction else None,
-                  "text_prefix": spec.model.text_prefix,
+                  "text_prefix": spec.model.text_prefix, "long_text": spec.model.long_text,
+                  "chunk_overlap": spec.model.chunk_overlap if spec.model.long_text == "chunk" else None,
                   "is_matryoshka": p.model.is_matryoshka},
         "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
                       "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
@@ -605,9 +605,11 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                   "where": spec.input.where, "id_column": spec.input.id_column,
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
         "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "reused", "deduplicated", "deleted",
-                                                   "filtered", "tokens", "truncated", "nulls", "empty")},
+                                                   "filtered", "tokens", "truncated", "chunked", "nulls",
+                                                   "empty")},
         "incremental": p.previous.summary() if p.previous is not None else None,
-        "fidelity": {"status": "off"} if spec.fidelity_check == "off" else fidelity.recorded(p),
+        "fidelity": {"status": "off"} if spec.fidelity_check == "off" else (
+            fidelity.recorded(p) or {"status": "not run", "reason": "no row needed the engine"}),
         "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
                    "counts": {k: r.get(k, 0) for k in COUNTS if k not in ("rows", "matched")}}
                   for t in p.tasks if (r := records.get(t.index))],

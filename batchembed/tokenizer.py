@@ -25,10 +25,17 @@ class Tokenized:
     truncated: np.ndarray  # bool, per non-null row
     valid: np.ndarray  # bool per input row: False where the text was null
     empty: int = 0  # rows whose text is "" (embedded, but worth counting)
+    # long_text: chunk: for each row (index into ids) longer than max_length, all its windows;
+    # ids[i] is then its first window and lengths[i] the tokens of all of them
+    chunks: dict[int, list[list[int]]] | None = None
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, max_length: int, prefix: str = ""):
+    """`long_text`: "truncate" cuts a long text at max_length; "chunk" cuts it into windows of
+    max_length tokens (special tokens and prefix in each) that overlap by `overlap` tokens."""
+
+    def __init__(self, model_dir: Path, max_length: int, prefix: str = "", long_text: str = "truncate",
+                 overlap: int = 0):
         from tokenizers import Tokenizer as RustTokenizer
 
         tokenizer_json = Path(model_dir) / "tokenizer.json"
@@ -47,6 +54,36 @@ class Tokenizer:
         self._tok = tok
         self.max_length = max_length
         self.prefix = prefix
+        self.chunking = long_text == "chunk"
+        if self.chunking:
+            self._setup_chunks(tok, overlap)
+
+    def _setup_chunks(self, tok, overlap: int) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        plain = RustTokenizer.from_str(tok.to_str())
+        plain.no_truncation()
+        self._plain = plain
+        # the model's special tokens around one text, e.g. [CLS] ... [SEP], or ... <|endoftext|>
+        bare = plain.encode("hello", add_special_tokens=False).ids
+        full = plain.encode("hello", add_special_tokens=True).ids
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+        if at is None:
+            raise JobError("model.long_text: chunk: cannot tell this tokenizer's special tokens apart")
+        self._head, self._tail = full[:at], full[at + len(bare):]
+        self._prefix_ids = plain.encode(self.prefix, add_special_tokens=False).ids if self.prefix else []
+        self.window = self.max_length - len(self._head) - len(self._tail) - len(self._prefix_ids)
+        if self.window - overlap < 1:
+            raise JobError(f"model.chunk_overlap: {overlap} leaves no room in windows of {self.window} text tokens "
+                           f"(max_length {self.max_length}); make it smaller")
+        self.step = self.window - overlap
+
+    def _windows(self, body: list[int]) -> list[list[int]]:
+        w, step = self.window, self.step
+        starts = list(range(0, max(len(body) - w, 0) + 1, step))
+        if starts[-1] + w < len(body):
+            starts.append(len(body) - w)
+        return [self._head + self._prefix_ids + body[s:s + w] + self._tail for s in starts]
 
     def __call__(self, texts: list[str | None]) -> Tokenized:
         valid = np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts))
@@ -56,4 +93,22 @@ class Tokenizer:
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(ids))
         empty = sum(1 for t in texts if t == "")
-        return Tokenized(ids=ids, lengths=lengths, truncated=truncated, valid=valid, empty=empty)
+        chunks = None
+        if self.chunking and truncated.any():
+            long_rows = np.flatnonzero(truncated)
+            present_texts = [t for t in texts if t is not None]
+            bodies = self._plain.encode_batch_fast([present_texts[i] for i in long_rows], add_special_tokens=False)
+            chunks = {}
+            for i, body in zip(long_rows.tolist(), bodies):
+                windows = self._windows(body.ids)
+                chunks[i] = windows
+                ids[i] = windows[0]
+                lengths[i] = sum(len(c) for c in windows)
+            truncated[:] = False
+        return Tokenized(ids=ids, lengths=lengths, truncated=truncated, valid=valid, empty=empty, chunks=chunks)
+
+
+def make_tokenizer(p) -> Tokenizer:
+    """The job's tokenizer: its model, max_length, prefix/instruction and long_text handling."""
+    m = p.spec.model
+    return Tokenizer(p.model.path, p.max_length, m.text_prefix, m.long_text, m.chunk_overlap)
