@@ -227,6 +227,34 @@ def verify(output_uri, options, as_json):
         raise RunError(f"verify: {len(problems)} problem(s) in {output_uri}")
 
 
+@cli.command()
+@click.argument("output_or_job")
+@_storage_option
+@click.option("-o", "--out", "out_path", default="batchembed-report.html", show_default=True,
+              type=click.Path(dir_okay=False), help="Where to write the HTML page.")
+@click.option("--sample-rows", default=2000, show_default=True, type=click.IntRange(12),
+              help="Rows sampled for the Matryoshka recall chart.")
+def report(output_or_job, options, out_path, sample_rows):
+    """Write a self-contained HTML page about an output: token lengths, engine throughput over
+    the last run, and recall@10 at each smaller Matryoshka dimension beside bytes per row.
+
+    OUTPUT_OR_JOB is an output URI or a job file (its output.uri and storage options).
+    \b
+      batchembed report out/quickstart-emb/ -o report.html
+      batchembed report jobs/quickstart.yaml
+    """
+    from .report import build_report
+
+    uri, storage = output_or_job, _storage_options(options)
+    if output_or_job.endswith((".yaml", ".yml")):
+        spec = _load(output_or_job, [])
+        uri, storage = spec.output.uri, {**spec.output.storage_options, **storage}
+    page = build_report(uri, storage, sample_rows)
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.write(page)
+    click.echo(f"batchembed: report written to {out_path}", err=True)
+
+
 def main() -> None:
     """Entry point. Exits with os._exit after flushing: vLLM's engine leaves C++ threads
     that can abort the interpreter's teardown ("terminate called without an active

@@ -42,6 +42,13 @@ def now_utc() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+HISTOGRAM_BINS = 32  # token lengths of the embedded rows, per part and in the manifest
+
+
+def histogram_bin_width(max_length: int) -> int:
+    return max(1, -(-max_length // HISTOGRAM_BINS))
+
+
 # counted per part (commit records) and per run (Stats)
 COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "chunked", "nulls",
           "empty", "filtered")
@@ -257,6 +264,7 @@ class Pipeline:
     def write(self) -> None:
         p = self.p
         keep = [c for c in dict.fromkeys([p.spec.input.id_column, *p.spec.input.carry_columns]) if c]
+        width = histogram_bin_width(p.max_length)
         writer: PartWriter | None = None
         counts: dict[str, int] = {}
         try:
@@ -276,8 +284,9 @@ class Pipeline:
                 if writer is None:
                     writer = PartWriter(task, p.output_schema, p.spec.output.compression)
                     counts = dict.fromkeys(COUNTS, 0)
+                    hist = np.zeros(HISTOGRAM_BINS, dtype=np.int64)
                 if batch is None:
-                    self._commit(writer, counts)
+                    self._commit(writer, counts, hist)
                     writer = None
                     continue
                 arrays = [batch.column(c) for c in keep]
@@ -300,6 +309,9 @@ class Pipeline:
                             empty=w.empty, filtered=w.filtered)
                 for k, v in step.items():
                     counts[k] += v
+                if len(w.inverse):
+                    hist += np.bincount(np.minimum(w.tok.lengths[w.inverse] // width, HISTOGRAM_BINS - 1),
+                                        minlength=HISTOGRAM_BINS)
                 self.progress(step)
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
@@ -307,12 +319,12 @@ class Pipeline:
             if writer is not None:
                 writer.discard()
 
-    def _commit(self, writer: PartWriter, counts: dict) -> None:
+    def _commit(self, writer: PartWriter, counts: dict, hist: np.ndarray) -> None:
         task = writer.task
         if writer.rows + counts["filtered"] != task.num_rows:
             raise RunError(f"{task.file.url}: read {writer.rows + counts['filtered']} rows, its footer says "
                            f"{task.num_rows}")
-        record = {"part": task.part_name, **counts, "input": task.input_fingerprint,
+        record = {"part": task.part_name, **counts, "length_histogram": hist.tolist(), "input": task.input_fingerprint,
                   "job": {**self.p.fingerprint.as_dict(), "digest": self.p.fingerprint.digest},
                   "committed_at": now_utc()}
         if self.calibration is not None:

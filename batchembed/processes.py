@@ -137,7 +137,7 @@ def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) 
 
 
 def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tuple[RunResult, str | None]:
-    from .runner import RunResult, steady_rate
+    from .runner import RunResult, steady_rate, throughput
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
     tasks_q, results_q = ctx.Queue(), ctx.Queue()
@@ -208,5 +208,6 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     result.pipeline_seconds = time.perf_counter() - t0 - min(starts, default=0.0)
     result.engine_seconds = sum(busy) / max(1, len(busy))
     result.steady_tokens_per_s = steady_rate([c for c in calls if c])
+    result.throughput = throughput([c for c in calls if c])
     return result, error
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from . import __version__, calibration, fidelity, storage
@@ -18,7 +19,7 @@ from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
 from .model import ModelInfo, model_content_hash, read_model_info
 from .incremental import TEXT_HASH, Previous, copy_parts, open_previous
-from .pipeline import COUNTS, Pipeline, now_utc
+from .pipeline import COUNTS, HISTOGRAM_BINS, Pipeline, histogram_bin_width, now_utc
 from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, select_rows
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
@@ -275,6 +276,7 @@ class Stats:
     pipeline_seconds: float = 0.0  # from the first read to the last commit
     engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
     steady_tokens_per_s: float | None = None  # while every engine was running (see steady_rate)
+    throughput: list = field(default_factory=list)  # [seconds, tok/s] per time slice; in the manifest only
 
     def add(self, other: dict) -> None:
         for k in COUNTS:
@@ -283,6 +285,7 @@ class Stats:
 
     def summary(self) -> dict:
         d = asdict(self)
+        d.pop("throughput")
         for k in ("seconds", "engine_start_seconds", "pipeline_seconds", "engine_seconds"):
             d[k] = round(d[k], 3)
         d["engine_idle_share"] = (round(1 - self.engine_seconds / self.pipeline_seconds, 4)
@@ -313,6 +316,7 @@ class RunResult:
     pipeline_seconds: float = 0.0
     engine_seconds: float = 0.0  # busy time of the average engine
     steady_tokens_per_s: float | None = None
+    throughput: list = field(default_factory=list)
 
 
 def _reporter(bar):
@@ -375,6 +379,7 @@ def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
     result.engines = sum(pl.engine is not None for pl in pipelines)
     result.engine_seconds = sum(pl.engine_seconds for pl in pipelines) / max(1, result.engines)
     result.steady_tokens_per_s = steady_rate([pl.calls for pl in pipelines if pl.calls])
+    result.throughput = throughput([pl.calls for pl in pipelines if pl.calls])
     return result
 
 
@@ -390,6 +395,23 @@ def steady_rate(calls: list[list[tuple[float, float, int]]]) -> float | None:
     tokens = sum(n * max(0.0, min(t1, end) - max(t0, start)) / (t1 - t0)
                  for c in calls for t0, t1, n in c if t1 > t0)
     return round(tokens / (end - start), 1)
+
+
+def throughput(calls: list[list[tuple[float, float, int]]], slices: int = 60) -> list[list[float]]:
+    """Engine tokens/s in `slices` equal slices of time from the first engine call to the last,
+    all engines together; a call spanning slices counts pro rata. For the report's plot."""
+    flat = [c for cs in calls for c in cs if c[1] > c[0]]
+    if not flat:
+        return []
+    start, end = min(c[0] for c in flat), max(c[1] for c in flat)
+    width = (end - start) / slices
+    tokens = np.zeros(slices)
+    for t0, t1, n in flat:
+        a, b = int((t0 - start) / width), min(slices - 1, int((t1 - start) / width))
+        for i in range(a, b + 1):
+            lo, hi = max(t0, start + i * width), min(t1, start + (i + 1) * width)
+            tokens[i] += n * max(0.0, hi - lo) / (t1 - t0)
+    return [[round((i + 0.5) * width, 2), round(float(tokens[i] / width), 1)] for i in range(slices)]
 
 
 def _run_all(pipelines: list[Pipeline]) -> None:
@@ -494,6 +516,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     stats.pipeline_seconds = result.pipeline_seconds
     stats.engine_seconds = result.engine_seconds
     stats.steady_tokens_per_s = result.steady_tokens_per_s
+    stats.throughput = result.throughput
     pipeline_failed = result.failed
 
     failed = p.failed + pipeline_failed
@@ -614,7 +637,10 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                    "counts": {k: r.get(k, 0) for k in COUNTS if k not in ("rows", "matched")}}
                   for t in p.tasks if (r := records.get(t.index))],
         "failed": failed,
-        "last_run": stats.summary(),
+        "last_run": {**stats.summary(), "throughput": stats.throughput},
+        "token_histogram": {"bin_width": histogram_bin_width(p.max_length), "counts": [
+            int(sum(r.get("length_histogram", [0] * HISTOGRAM_BINS)[i] for r in records.values()))
+            for i in range(HISTOGRAM_BINS)]},
     }
     write_json_atomic(p.out_fs, f"{p.out_root}/{MANIFEST}", manifest)
     if not failed:
