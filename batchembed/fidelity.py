@@ -47,6 +47,12 @@ def needed(p: Prepared) -> bool:
     return p.spec.fidelity_check != "off" and recorded(p) is None
 
 
+def ensure(p: Prepared, engine) -> None:
+    """Check a freshly started engine unless this job's check is off or already done."""
+    if needed(p):
+        check(p, engine)
+
+
 @functools.lru_cache(maxsize=2)
 def _reference(path: str, max_length: int):
     from sentence_transformers import SentenceTransformer
@@ -78,7 +84,8 @@ def check(p: Prepared, engine) -> dict:
     else:
         ours = engine.embed(Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
         theirs = _reference(str(p.model.path), p.max_length).encode(
-            [p.spec.model.text_prefix + t for t in texts], normalize_embeddings=True, convert_to_numpy=True)
+            [p.spec.model.text_prefix + t for t in texts], normalize_embeddings=True, convert_to_numpy=True,
+            show_progress_bar=False)
         theirs = np.asarray(theirs, dtype=np.float32)
         if ours.shape != theirs.shape:
             result.update(status="failed", rows=len(texts),

@@ -199,8 +199,8 @@ class Pipeline:
         if self.engine is None:
             engine = self.engine_factory()
             # before this engine's first vector: does it agree with sentence-transformers?
-            if fidelity.needed(self.p):
-                fidelity.check(self.p, engine)
+            # (the factories check their engines as part of start-up; this catches a given one)
+            fidelity.ensure(self.p, engine)
             self.engine = engine
         return self.engine
 

@@ -97,6 +97,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
     _isolate(replica, os.path.dirname(start_lock))
     setup_logging(log_level, as_json, engine=replica)
     try:
+        from . import fidelity
         from .config import JobSpec
         from .pipeline import Pipeline
         from .runner import make_engine, prepare
@@ -110,6 +111,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
                 if os.environ.get(SERIAL_START_ENV):
                     fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
                 started.append(make_engine(p, replica, replicas))
+            fidelity.ensure(p, started[0])  # part of start-up, timed with it
             results_q.put(("started", replica, time.perf_counter() - t0))
             return started[0]
 

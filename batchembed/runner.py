@@ -354,6 +354,11 @@ def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
                 return engine
             t0 = time.perf_counter()
             e = make_engine(p, i, replicas)
+            try:
+                fidelity.ensure(p, e)  # part of start-up, timed with it
+            except BaseException:
+                e.close()
+                raise
             with lock:
                 started.append(e)
                 result.engine_start_seconds = max(result.engine_start_seconds, time.perf_counter() - t0)
