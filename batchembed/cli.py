@@ -159,6 +159,7 @@ def finalize(job_file, overrides):
 
     The last shard to finish does this by itself; finalize is for when it could
     not (e.g. a shard that skipped a file). Exit 1 while parts are missing.
+
     \b
       batchembed finalize job.yaml
     """
@@ -208,6 +209,7 @@ def verify(output_uri, options, as_json):
     """Check an output against its manifest: parts, row counts, dimensions, norms.
 
     Exit 0 when everything matches, 1 on any mismatch.
+
     \b
       batchembed verify out/quickstart-emb/
       batchembed verify s3://corpus/wiki-emb/ --storage-option endpoint_url=http://127.0.0.1:8333
@@ -239,6 +241,7 @@ def report(output_or_job, options, out_path, sample_rows):
     the last run, and recall@10 at each smaller Matryoshka dimension beside bytes per row.
 
     OUTPUT_OR_JOB is an output URI or a job file (its output.uri and storage options).
+
     \b
       batchembed report out/quickstart-emb/ -o report.html
       batchembed report jobs/quickstart.yaml
