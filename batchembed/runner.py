@@ -478,13 +478,16 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     copied: dict[int, dict] = {}
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, fs, root, _record_base(p))
-    own = None
+    own, own_start = None, 0.0
     if pending and spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None:
         # int8 ranges come before any part, from one engine: the one this run will use when it
         # runs one here, else one started (and closed) for them
-        if engine is None:
-            engine = own = make_engine(p)
+        t0 = time.perf_counter()
         try:
+            if engine is None:
+                engine = own = make_engine(p)
+            fidelity.ensure(p, engine)  # a checked engine calibrates
+            own_start = time.perf_counter() - t0
             calibration.ensure(p, engine)
         except BaseException:
             if own is not None:
@@ -517,7 +520,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         stats.tokens_run += r["tokens"]
     stats.tasks_run = len(result.records)
     stats.engines = result.engines
-    stats.engine_start_seconds = result.engine_start_seconds
+    stats.engine_start_seconds = result.engine_start_seconds + own_start
     stats.pipeline_seconds = result.pipeline_seconds
     stats.engine_seconds = result.engine_seconds
     stats.steady_tokens_per_s = result.steady_tokens_per_s
