@@ -223,8 +223,10 @@ def verify(output_uri, options, as_json):
         for p in problems:
             click.echo(f"mismatch: {p}", err=True)
         if summary:
+            norms = (f"{summary['vectors_checked']:,} vectors, max |norm-1| {summary['max_norm_error']:.1e}"
+                     if summary["norms_checked"] else "quantised vectors: widths checked, norms not")
             click.echo(f"{'ok' if not problems else 'FAILED'}: {summary['parts']} parts, {summary['rows']:,} rows, "
-                       f"{summary['vectors_checked']:,} vectors, max |norm-1| {summary['max_norm_error']:.1e}")
+                       f"{norms}")
     if problems:
         raise RunError(f"verify: {len(problems)} problem(s) in {output_uri}")
 

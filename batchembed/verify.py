@@ -66,5 +66,5 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
     if rows != manifest["counts"]["rows"]:
         problems.append(f"parts hold {rows} rows, the manifest counts {manifest['counts']['rows']}")
     summary = {"output": uri, "parts": len(listed), "rows": rows, "vectors_checked": vectors,
-               "max_norm_error": worst, "ok": not problems}
+               "max_norm_error": worst, "norms_checked": not quantized, "ok": not problems}
     return problems, summary
