@@ -402,6 +402,18 @@ def steady_rate(calls: list[list[tuple[float, float, int]]]) -> float | None:
     return round(tokens / (end - start), 1)
 
 
+def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
+    """Parts are the unit of work: with few per engine, the last ones run while the rest wait
+    (measured: 8 parts on 6 engines left them idle 30 % of the time, notes/performance.md)."""
+    engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
+    if engines > 1 and len(pending) < 3 * engines:
+        rows = sum(t.num_rows for t in pending)
+        log.warning("%d parts for %d engines: the last parts will run on a few engines while the others "
+                    "wait. output.rows_per_part: %d would give about 4 parts per engine (a part is cut at "
+                    "row-group boundaries, so files need row groups of at most that many rows)",
+                    len(pending), engines, max(1, rows // (4 * engines)))
+
+
 def throughput(calls: list[list[tuple[float, float, int]]], slices: int = 60) -> list[list[float]]:
     """Engine tokens/s in `slices` equal slices of time from the first engine call to the last,
     all engines together; a call spanning slices counts pro rata. For the report's plot."""
@@ -466,6 +478,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
 
     fs, root = p.out_fs, p.out_root
     pending = [t for t in p.tasks if t.index not in state.done and in_shard(t, shard)]
+    _warn_few_parts(p, pending)
     if pending or shard is None:
         # The output is about to change: it must stop looking finished first.
         for name in (SUCCESS, MANIFEST):

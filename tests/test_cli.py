@@ -68,6 +68,7 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]
     starts = {e["engine"]: e["message"] for e in lines if e["message"].startswith("starting vLLM engine")}
     assert set(starts) == {0, 1}, lines
+    assert any(e["level"] == "WARNING" and e["message"].startswith("4 parts for 2 engines") for e in lines)
     assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in starts[0] and "engine 2/2" in starts[1]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
