@@ -42,6 +42,11 @@ def now_utc() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def record_base(p: Prepared) -> dict:
+    """What every commit record carries: the job's identity, and when."""
+    return {"job": {**p.fingerprint.as_dict(), "digest": p.fingerprint.digest}, "committed_at": now_utc()}
+
+
 HISTOGRAM_BINS = 32  # token lengths of the embedded rows, per part and in the manifest
 
 
@@ -324,9 +329,8 @@ class Pipeline:
         if writer.rows + counts["filtered"] != task.num_rows:
             raise RunError(f"{task.file.url}: read {writer.rows + counts['filtered']} rows, its footer says "
                            f"{task.num_rows}")
-        record = {"part": task.part_name, **counts, "length_histogram": hist.tolist(), "input": task.input_fingerprint,
-                  "job": {**self.p.fingerprint.as_dict(), "digest": self.p.fingerprint.digest},
-                  "committed_at": now_utc()}
+        record = {"part": task.part_name, **counts, "length_histogram": hist.tolist(),
+                  "input": task.input_fingerprint, **record_base(self.p)}
         if self.calibration is not None:
             record["calibration"] = self.calibration.digest
         writer.commit(self.p.out_fs, self.p.out_root, record)

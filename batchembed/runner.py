@@ -19,7 +19,7 @@ from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
 from .model import ModelInfo, model_content_hash, read_model_info
 from .incremental import TEXT_HASH, Previous, copy_parts, open_previous
-from .pipeline import COUNTS, HISTOGRAM_BINS, Pipeline, histogram_bin_width, now_utc
+from .pipeline import COUNTS, HISTOGRAM_BINS, Pipeline, histogram_bin_width, now_utc, record_base
 from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, select_rows
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
@@ -490,7 +490,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
 
     copied: dict[int, dict] = {}
     if p.previous is not None and pending:
-        copied, pending = copy_parts(p.previous, pending, fs, root, _record_base(p))
+        copied, pending = copy_parts(p.previous, pending, fs, root, record_base(p))
     own, own_start = None, 0.0
     if pending and spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None:
         # int8 ranges come before any part, from one engine: the one this run will use when it
@@ -593,10 +593,6 @@ def _engine_key(p: Prepared):
     from .engine import EngineKey
 
     return EngineKey(str(p.model.path), p.spec.model.dtype, p.max_length)
-
-
-def _record_base(p: Prepared) -> dict:
-    return {"job": {**p.fingerprint.as_dict(), "digest": p.fingerprint.digest}, "committed_at": now_utc()}
 
 
 def _totals(p: Prepared, records: dict[int, dict]) -> Stats:
