@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 FIDELITY = "_fidelity.json"
 SAMPLE_ROWS = 16
+MAX_REFERENCE_BYTES = 4 * 2**30  # weights loaded on CPU beside the engine for the check
 
 
 def _path(p: Prepared) -> str:
@@ -67,6 +68,10 @@ def _skip_reason(p: Prepared) -> str | None:
         return "the model folder has no modules.json (not a sentence-transformers model)"
     if importlib.util.find_spec("sentence_transformers") is None:
         return "sentence-transformers is not installed"
+    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in p.model.path.glob(pattern))
+    if weights > MAX_REFERENCE_BYTES:
+        return (f"the model's weights are {weights / 2**30:.1f} GiB, too large to load a second time on CPU "
+                "for the check; fidelity_check: off silences this")
     return None
 
 
