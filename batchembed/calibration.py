@@ -24,8 +24,8 @@ import numpy as np
 from .errors import RunError
 from .matryoshka import reduce
 from .reader import first_texts
-from .storage import read_json, write_json_atomic
 from .batcher import embed_rows
+from .storage import read_json, write_json_atomic
 from .tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CALIBRATION = "_calibration.json"
-SCALAR = ("int8", "uint8")
 
 
 @dataclass(frozen=True)

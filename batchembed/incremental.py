@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from .errors import JobError, RunError
 from .matryoshka import l2_normalise
 from .storage import full_url, is_local, is_transient, open_fs, put_file_atomic, read_json, retry
+from .writer import PACKED, SCALAR, write_commit
 
 if TYPE_CHECKING:
     from .plan import JobFingerprint, Task
@@ -143,11 +144,11 @@ def open_previous(uri: str, storage_options: dict, fp: JobFingerprint, id_column
                        f"{now.get('long_text', 'truncate')!r} now)")
     if not prev_id:
         reasons.append("it has no id column")
-    if job.get("output_dtype") in ("binary", "ubinary"):
+    if job.get("output_dtype") in PACKED:
         reasons.append(f"its vectors are {job.get('output_dtype')} bits, not floats")
-    elif job.get("output_dtype") in ("int8", "uint8"):
+    elif job.get("output_dtype") in SCALAR:
         reasons.append(f"its vectors are {job.get('output_dtype')}, not floats")
-    elif fp.output_dtype in ("int8", "uint8"):
+    elif fp.output_dtype in SCALAR:
         reasons.append(f"this job writes {fp.output_dtype}, whose ranges are each output's own calibration")
     elif job.get("output_dtype") == "float16" and fp.output_dtype == "float32":
         reasons.append("its vectors are float16 and this job writes float32")
@@ -174,8 +175,6 @@ def copy_parts(prev: Previous, tasks: list[Task], out_fs, out_root: str, record_
                threads: int = 16) -> tuple[dict[int, dict], list[Task]]:
     """Copy the previous parts of unchanged inputs as they are, each followed by its commit
     record. Returns (records by task index, the tasks still to run)."""
-    from .writer import write_commit
-
     todo = [(t, e) for t in tasks if (e := prev.copyable(t))]
     if not todo:
         return {}, tasks

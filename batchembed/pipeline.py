@@ -30,7 +30,7 @@ from .plan import Task
 from .reader import iter_batches, needed_columns, select_rows
 from .storage import is_transient
 from .tokenizer import Tokenized, make_tokenizer
-from .writer import PartWriter, vector_array
+from .writer import SCALAR, PartWriter, vector_array
 
 if TYPE_CHECKING:
     from .runner import Prepared
@@ -112,7 +112,7 @@ class Pipeline:
         self.engine_seconds = 0.0
         self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens) of each engine call
         # int8 / uint8: the output's calibration, made before any pipeline starts
-        self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in calibration.SCALAR else None
+        self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
 
     def _put(self, q: queue.Queue, item) -> bool:
         while not self.stop.is_set():

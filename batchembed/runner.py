@@ -25,7 +25,7 @@ from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, sel
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
                       write_bytes_atomic, write_json_atomic)
 from .tokenizer import Tokenizer, make_tokenizer
-from .writer import COMMITS, MANIFEST, SUCCESS, vector_type
+from .writer import COMMITS, MANIFEST, PACKED, SCALAR, SUCCESS, vector_type
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _check_model_fit(spec: JobSpec, model: ModelInfo, max_length: int, dims: lis
 
 
 def _check_columns(spec: JobSpec, dims: list[int] | None) -> None:
-    if spec.embedding.output_dtype in ("binary", "ubinary") and dims and any(d % 8 for d in dims):
+    if spec.embedding.output_dtype in PACKED and dims and any(d % 8 for d in dims):
         raise JobError(f"embedding.dimensions: {next(d for d in dims if d % 8)} is not a multiple of 8, which "
                        f"output_dtype {spec.embedding.output_dtype} needs (8 dimensions to a byte)")
     ours = {*column_names(dims or [0]).values(), TEXT_HASH} if dims else {"embedding", TEXT_HASH}
@@ -492,7 +492,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, fs, root, record_base(p))
     own, own_start = None, 0.0
-    if pending and spec.embedding.output_dtype in calibration.SCALAR and calibration.load(p) is None:
+    if pending and spec.embedding.output_dtype in SCALAR and calibration.load(p) is None:
         # int8 ranges come before any part, from one engine: the one this run will use when it
         # runs one here, else one started (and closed) for them
         t0 = time.perf_counter()
@@ -612,7 +612,7 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
     if missing:
         raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
     cal = None
-    if p.spec.embedding.output_dtype in calibration.SCALAR:
+    if p.spec.embedding.output_dtype in SCALAR:
         cal = calibration.require(p)
         other = sorted(r["part"] for r in records.values() if r.get("calibration") != cal.digest)
         if other:  # shards that calibrated at the same moment, each its own way
@@ -637,7 +637,7 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                   "is_matryoshka": p.model.is_matryoshka},
         "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
                       "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
-                      "packed_bits": spec.embedding.output_dtype in ("binary", "ubinary"),
+                      "packed_bits": spec.embedding.output_dtype in PACKED,
                       "calibration": None if cal is None else {
                           "file": calibration.CALIBRATION, "rows": cal.rows, "digest": cal.digest,
                           "ranges": {str(d): r.tolist() for d, r in cal.ranges.items()}}},

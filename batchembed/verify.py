@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .storage import full_url, open_fs, read_json, retry
-from .writer import MANIFEST, SUCCESS
+from .writer import MANIFEST, SCALAR, SUCCESS
 
 
 def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], dict]:
@@ -26,7 +26,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
                         (f" ({len(manifest.get('failed', []))} input files failed)" if manifest.get("failed") else ""))
     columns = manifest["embedding"]["columns"]
     packed = manifest["embedding"].get("packed_bits", False)  # binary / ubinary: 8 dimensions a byte, no norm
-    quantized = packed or manifest["embedding"]["output_dtype"] in ("int8", "uint8")  # no norm to check
+    quantized = packed or manifest["embedding"]["output_dtype"] in SCALAR  # no norm to check
     tol = 1e-2 if manifest["embedding"]["output_dtype"] == "float16" else 1e-3
     listed = {p["name"]: p for p in manifest["parts"]}
     present = {path.rsplit("/", 1)[-1] for path in retry(lambda: fs.glob(f"{root}/part-*.parquet"), uri)}
