@@ -57,6 +57,7 @@ def histogram_bin_width(max_length: int) -> int:
 # counted per part (commit records) and per run (Stats)
 COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "chunked", "nulls",
           "empty", "filtered")
+TOTALS = tuple(k for k in COUNTS if k != "matched")  # added up over parts (matched only feeds `deleted`)
 
 
 @dataclass
@@ -228,11 +229,11 @@ class Pipeline:
             # One call per window, rows in token-budget batch order: vLLM's scheduler then
             # runs our batches as its steps back to back, without a Python round trip
             # between batches (measured in notes/performance.md).
-            lengths = w.tok.lengths[todo_idx]
             full[todo_idx] = embed_rows(engine, w.tok, todo_idx)
             t1 = time.perf_counter()
+            w.tokens = int(w.tok.lengths[todo_idx].sum())
             self.engine_seconds += t1 - t0
-            self.calls.append((t0, t1, int(lengths.sum())))
+            self.calls.append((t0, t1, w.tokens))
             if cache is not None:
                 for i in todo:
                     cache[int(w.uniq[i])] = full[i].copy()
@@ -240,7 +241,6 @@ class Pipeline:
                     cache.popitem(last=False)
         w.full = full
         w.embedded = len(todo_idx)
-        w.tokens = int(w.tok.lengths[todo_idx].sum()) if len(todo_idx) else 0
 
     def read_and_tokenise(self) -> None:
         try:

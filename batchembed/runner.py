@@ -19,7 +19,7 @@ from .errors import BatchembedError, JobError, RunError
 from .matryoshka import column_names
 from .model import ModelInfo, model_content_hash, read_model_info
 from .incremental import TEXT_HASH, Previous, copy_parts, open_previous
-from .pipeline import COUNTS, HISTOGRAM_BINS, Pipeline, histogram_bin_width, now_utc, record_base
+from .pipeline import HISTOGRAM_BINS, TOTALS, Pipeline, histogram_bin_width, now_utc, record_base
 from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, select_rows
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
@@ -279,9 +279,8 @@ class Stats:
     throughput: list = field(default_factory=list)  # [seconds, tok/s] per time slice; in the manifest only
 
     def add(self, other: dict) -> None:
-        for k in COUNTS:
-            if k != "matched":
-                setattr(self, k, getattr(self, k) + int(other.get(k, 0)))
+        for k in TOTALS:
+            setattr(self, k, getattr(self, k) + int(other.get(k, 0)))
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -644,20 +643,18 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
         "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "text_sql": spec.input.text_sql,
                   "where": spec.input.where, "id_column": spec.input.id_column,
                   "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
-        "counts": {k: getattr(totals, k) for k in ("rows", "embedded", "reused", "deduplicated", "deleted",
-                                                   "filtered", "tokens", "truncated", "chunked", "nulls",
-                                                   "empty")},
+        "counts": {k: getattr(totals, k) for k in (*TOTALS, "deleted")},
         "incremental": p.previous.summary() if p.previous is not None else None,
         "fidelity": {"status": "off"} if spec.fidelity_check == "off" else (
             fidelity.recorded(p) or {"status": "not run", "reason": "no row needed the engine"}),
         "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
-                   "counts": {k: r.get(k, 0) for k in COUNTS if k not in ("rows", "matched")}}
+                   "counts": {k: r.get(k, 0) for k in TOTALS if k != "rows"}}
                   for t in p.tasks if (r := records.get(t.index))],
         "failed": failed,
         "last_run": {**stats.summary(), "throughput": stats.throughput},
-        "token_histogram": {"bin_width": histogram_bin_width(p.max_length), "counts": [
-            int(sum(r.get("length_histogram", [0] * HISTOGRAM_BINS)[i] for r in records.values()))
-            for i in range(HISTOGRAM_BINS)]},
+        "token_histogram": {"bin_width": histogram_bin_width(p.max_length), "counts": sum(
+            (np.asarray(r.get("length_histogram", 0)) for r in records.values()),
+            np.zeros(HISTOGRAM_BINS, dtype=np.int64)).tolist()},
     }
     write_json_atomic(p.out_fs, f"{p.out_root}/{MANIFEST}", manifest)
     if not failed:
