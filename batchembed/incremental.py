@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from .errors import JobError, RunError
 from .matryoshka import l2_normalise
 from .storage import full_url, is_local, is_transient, open_fs, put_file_atomic, read_json, retry
-from .writer import PACKED, SCALAR, write_commit
+from .writer import PACKED, SCALAR, vector_matrix, write_commit
 
 if TYPE_CHECKING:
     from .plan import JobFingerprint, Task
@@ -68,12 +68,6 @@ def id_keys(ids: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     digests = b"".join(_hash64(v.encode() if isinstance(v, str) else v if isinstance(v, bytes)
                                else repr(v).encode()) if v is not None else b"\0" * 8 for v in values)
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64), valid
-
-
-def _fixed_list_to_numpy(col: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    values = col.values.slice(col.offset * dim, len(col) * dim)
-    return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(len(col), dim)
 
 
 @dataclass
@@ -295,7 +289,7 @@ class TaskIndex:
             return cached[1]
         table = retry(lambda: self._file(i).read_row_group(g, columns=[c for c, _ in columns]),
                       f"{self.prev.uri}/{self.part_names[i]}")
-        arrays = {c: _fixed_list_to_numpy(table.column(c), D) for c, D in columns}
+        arrays = {c: vector_matrix(table.column(c)) for c, _ in columns}
         self._groups[i] = (g, arrays)  # one row group per part: rows come mostly in order
         return arrays
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from .errors import RunError
 from .storage import open_fs, read_json, retry
-from .writer import MANIFEST, SUCCESS
+from .writer import MANIFEST, SUCCESS, vector_matrix
 
 
 def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, sample_rows: int = 3,
@@ -47,7 +47,7 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
                 for col in vector_cols:
                     arr = batch.column(col).drop_null()
                     if len(arr):
-                        m = np.asarray(arr.values.to_numpy(zero_copy_only=False), np.float32).reshape(len(arr), -1)
+                        m = vector_matrix(arr)
                         norms.setdefault(col, []).append(np.linalg.norm(m, axis=1))
                 if enough():
                     break

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from .errors import JobError
 from .storage import full_url, open_fs, read_json, retry
-from .writer import MANIFEST
+from .writer import MANIFEST, vector_matrix
 
 BYTES_PER_DIM = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "binary": 1 / 8, "ubinary": 1 / 8}
 
@@ -35,7 +35,7 @@ def sample_vectors(fs, root: str, column: str, rows: int) -> np.ndarray:
             for batch in pq.ParquetFile(f).iter_batches(columns=[column], batch_size=4096):
                 arr = batch.column(0).drop_null()
                 if len(arr):
-                    m = np.asarray(arr.values.to_numpy(zero_copy_only=False), np.float32).reshape(len(arr), -1)
+                    m = vector_matrix(arr)
                     out.append(m)
                     have += len(m)
                 if have >= rows:

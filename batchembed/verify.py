@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .storage import full_url, open_fs, read_json, retry
-from .writer import MANIFEST, SCALAR, SUCCESS
+from .writer import MANIFEST, SCALAR, SUCCESS, vector_matrix
 
 
 def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], dict]:
@@ -57,7 +57,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
                     arr = batch.column(0).drop_null()
                     if len(arr) == 0:
                         continue
-                    m = np.asarray(arr.values.to_numpy(zero_copy_only=False), np.float32).reshape(len(arr), -1)
+                    m = vector_matrix(arr)
                     err = float(np.abs(np.linalg.norm(m, axis=1) - 1).max())
                     worst = max(worst, err)
                     vectors += len(arr)

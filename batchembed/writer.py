@@ -60,6 +60,15 @@ def vector_array(matrix: np.ndarray, valid: np.ndarray, dtype: str,
     return pa.FixedSizeListArray.from_arrays(values, width, mask=mask)
 
 
+def vector_matrix(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The float32 (rows, d) matrix of a fixed-size-list vector column (its slice, if it is one).
+    Null rows come out as whatever their slots hold: drop them first where that matters."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    dim = col.type.list_size
+    values = col.values.slice(col.offset * dim, len(col) * dim)
+    return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(len(col), dim)
+
+
 def vector_type(dim: int, dtype: str) -> pa.DataType:
     if dtype in PACKED:
         return pa.list_(PACKED[dtype], dim // 8)
