@@ -24,7 +24,7 @@ from .plan import JobFingerprint, Task, in_shard, make_tasks
 from .reader import InputFile, inspect_inputs, iter_batches, needed_columns, select_rows
 from .storage import (RetryPolicy, full_url, list_parquet_files, open_fs, read_json, remove, retry,
                       write_bytes_atomic, write_json_atomic)
-from .tokenizer import Tokenizer, make_tokenizer
+from .tokenizer import make_tokenizer, model_tokenizer
 from .writer import COMMITS, MANIFEST, PACKED, SCALAR, SUCCESS, vector_type
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
         dims = dims or [model.dimension]
         check(lambda: _check_model_fit(spec, model, max_length, dims, warnings))
         if spec.model.long_text == "chunk":  # the windows must leave room for text
-            check(lambda: Tokenizer(model.path, max_length, spec.model.text_prefix, "chunk", spec.model.chunk_overlap))
+            check(lambda: model_tokenizer(model.path, max_length, spec.model))
     check(lambda: _check_columns(spec, dims))
     storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
     inputs = check(lambda: _read_inputs(spec))

@@ -108,7 +108,11 @@ class Tokenizer:
         return Tokenized(ids=ids, lengths=lengths, truncated=truncated, valid=valid, empty=empty, chunks=chunks)
 
 
+def model_tokenizer(model_dir: Path, max_length: int, m) -> Tokenizer:
+    """The tokenizer a job's `model` section asks for: prefix/instruction and long_text handling."""
+    return Tokenizer(model_dir, max_length, m.text_prefix, m.long_text, m.chunk_overlap)
+
+
 def make_tokenizer(p) -> Tokenizer:
-    """The job's tokenizer: its model, max_length, prefix/instruction and long_text handling."""
-    m = p.spec.model
-    return Tokenizer(p.model.path, p.max_length, m.text_prefix, m.long_text, m.chunk_overlap)
+    """The tokenizer of a prepared job."""
+    return model_tokenizer(p.model.path, p.max_length, p.spec.model)
