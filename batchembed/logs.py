@@ -34,13 +34,14 @@ def setup_logging(level: str | int, as_json: bool = False, engine: int | None = 
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
-    # Set through the environment so the engine's child processes obey it too.
+    # Set through the environment so the engine's child processes obey it too; a
+    # VLLM_LOGGING_LEVEL the user set is kept (e.g. INFO, for vLLM's start-up timings).
     if level > logging.DEBUG:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         # the resource tracker cleans up after os._exit (below) on its own; its note about it is noise
         os.environ.setdefault("PYTHONWARNINGS",
                               "ignore::FutureWarning,ignore::UserWarning:multiprocessing.resource_tracker")
-        logging.getLogger("vllm").setLevel(logging.ERROR)
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
 
 
 def json_logging() -> bool:

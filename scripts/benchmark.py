@@ -173,7 +173,7 @@ def run_variant(name: str, args) -> dict:
     out = args.workdir / f"{name}.json"
     with open(args.workdir / f"{name}.stderr", "w") as err:
         rc = subprocess.run([sys.executable, __file__, "--variant", name, *sys.argv[1:]], stdout=err, stderr=err,
-                            env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}).returncode
+                            env={"VLLM_LOGGING_LEVEL": "ERROR", **os.environ}).returncode
     if rc != 0:
         raise SystemExit(f"variant {name} failed ({rc}); see {args.workdir / (name + '.stderr')}")
     r = json.loads(out.read_text())
