@@ -123,7 +123,9 @@ class Engine:
             # order the rows were submitted: our token-budget batches.
             max_num_batched_tokens=self.token_budget,
             max_num_seqs=self.max_batch_rows,
-            enforce_eager=spec.enforce_eager,
+            # Compiled on a GPU: +15 % for Qwen3-0.6B shape @ 512 (notes/performance.md), its
+            # ~20 s compile cached by vLLM for the next run; eager on CPU, where compiling is slow.
+            enforce_eager=self.on_cpu if spec.enforce_eager is None else spec.enforce_eager,
             gpu_memory_utilization=memory_share,
             seed=0,
             disable_log_stats=True,

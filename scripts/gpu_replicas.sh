@@ -18,7 +18,8 @@ MK=${MKMODELS:-../shared/gpu/mkmodels.py}
 mkdir -p "$OUT"
 for c in "$@"; do
   IFS=: read -r model len chars rows k extra <<< "$c"
-  name=$model-$len-rows$rows-dp$k${extra:+-$(tr -c 'A-Za-z0-9=\n' _ <<< "$extra")}
+  # a short checksum names the extra settings (they are in the JSON's "settings"): file names stay plain
+  name=$model-$len-rows$rows-dp$k${extra:+-x$(cksum <<< "$extra" | cut -d' ' -f1)}
   sets=(--d-set engine.data_parallel="$k")
   IFS=+ read -ra pairs <<< "${extra:-}"
   for kv in "${pairs[@]}"; do sets+=(--d-set "$kv"); done
