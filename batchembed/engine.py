@@ -67,6 +67,33 @@ def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str
     return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
 
 
+def kv_cache_bytes(model_path, dtype: str, tokens: int) -> int | None:
+    """KV cache for `tokens` tokens of a decoder model, from its config.json; None if unknown.
+
+    On a GPU we give vLLM this size (kv_cache_memory_bytes) rather than let it size the cache
+    by profiling: the profile reads the device's free memory, so an engine starting beside
+    another one on the same GPU counts the other's allocations as its own and fails with
+    "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
+    H200, notes/performance.md). A pooling step's requests finish within the step, so a
+    cache of two steps' tokens is all a batch job uses; vLLM's default takes 90 % of the GPU.
+    Encoder-only models keep no KV cache, and vLLM ignores the size for them.
+    """
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        layers = int(cfg["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    per_token = layers * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    return per_token * tokens
+
+
 def _copy_engine_output_frames() -> None:
     """Work around vLLM's engine-output corruption in versions without its fix (vLLM PR #50053).
 
@@ -135,6 +162,10 @@ class Engine:
             # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
             enable_prefix_caching=False,
         )
+        if not self.on_cpu:
+            kv_bytes = kv_cache_bytes(model.path, dtype, 2 * self.token_budget)
+            if kv_bytes:
+                args["kv_cache_memory_bytes"] = max(kv_bytes, 256 * 2**20)
         args.update(spec.vllm_args)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas, env,
                  {k: v for k, v in args.items() if k != "tokenizer"})
