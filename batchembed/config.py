@@ -172,6 +172,12 @@ class JobSpec(_Strict):
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "
                               "writes the manifest")
 
+    @field_validator("fidelity_check", mode="before")
+    @classmethod
+    def _fidelity_from_yaml(cls, v):
+        # YAML 1.1 reads a bare `off` as false (and `on` as true): `fidelity_check: off` must work
+        return {False: "off", True: "auto"}.get(v, v) if isinstance(v, bool) else v
+
     @field_validator("shard", mode="before")
     @classmethod
     def _valid_shard(cls, v):

@@ -237,7 +237,11 @@ def main() -> int:
         r = VARIANTS[args.variant](args)
         r["peak_rss_mb"] = peak_rss_mb()
         (args.workdir / f"{args.variant}.json").write_text(json.dumps(r))
-        return 0
+        # vLLM's threads can abort the interpreter's teardown ("terminate called without an
+        # active exception"); the figures are written, so leave as batchembed's CLI does.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_corpus.py"), str(args.corpus),
                     "--rows", str(args.rows), "--files", "8", "--min-chars", str(args.min_chars)], check=True)

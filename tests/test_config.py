@@ -89,3 +89,12 @@ def test_shard_is_i_of_n(tmp_path):
     for bad in ("16/16", "a/b", "3"):
         with pytest.raises(JobError, match="shard: .* is not i/N"):
             load_job(p, [f"shard={bad}"])
+
+
+def test_fidelity_check_off_as_written_in_yaml(tmp_path):
+    """YAML reads a bare `off` as false; `fidelity_check: off`, as the README writes it, must work."""
+    assert load_job(write(tmp_path, GOOD + "fidelity_check: off\n")).fidelity_check == "off"
+    assert load_job(write(tmp_path, GOOD), ["fidelity_check=off"]).fidelity_check == "off"
+    assert load_job(write(tmp_path, GOOD + "fidelity_check: auto\n")).fidelity_check == "auto"
+    with pytest.raises(JobError, match="fidelity_check"):
+        load_job(write(tmp_path, GOOD + "fidelity_check: sometimes\n"))
