@@ -103,7 +103,7 @@ def main() -> int:
             print(f"{text}: engine failed to start: {e}", flush=True)
             continue
         start = time.perf_counter() - t
-        with eng:
+        try:
             eng.embed(ids[:64])  # warm-up
             tok = SimpleNamespace(ids=ids, lengths=lengths, chunks={})
             t = time.perf_counter()
@@ -115,8 +115,12 @@ def main() -> int:
                 t = time.perf_counter()
                 eng.embed(ids)
                 one = time.perf_counter() - t
+        finally:
+            t = time.perf_counter()
+            eng.close()
+            close = time.perf_counter() - t
         print(f"{text}: start-up {start:.1f} s, windows {total / windows:,.0f} tok/s"
-              + (f", one call {total / one:,.0f} tok/s" if one else ""), flush=True)
+              + (f", one call {total / one:,.0f} tok/s" if one else "") + f", close {close:.1f} s", flush=True)
     return 0
 
 
