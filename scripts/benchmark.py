@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -170,11 +171,16 @@ LABELS = {"a": "(a) engine only, token ids in memory", "b": "(b) plain script: r
 def run_variant(name: str, args) -> dict:
     """Each variant in a fresh process, so start-up and memory are its own."""
     t = time.perf_counter()
+    started = time.time()
     out = args.workdir / f"{name}.json"
     with open(args.workdir / f"{name}.stderr", "w") as err:
         rc = subprocess.run([sys.executable, __file__, "--variant", name, *sys.argv[1:]], stdout=err, stderr=err,
                             env={"VLLM_LOGGING_LEVEL": "ERROR", **os.environ}).returncode
-    if rc != 0:
+    if rc == -signal.SIGABRT and out.exists() and out.stat().st_mtime > started:
+        # vLLM's threads sometimes abort the interpreter's teardown ("terminate called without an
+        # active exception") after the figures were written; the figures stand.
+        print(f"  (variant {name} aborted in its exit, after writing its figures)", flush=True)
+    elif rc != 0:
         raise SystemExit(f"variant {name} failed ({rc}); see {args.workdir / (name + '.stderr')}")
     r = json.loads(out.read_text())
     r["whole_s"] = time.perf_counter() - t
@@ -237,11 +243,7 @@ def main() -> int:
         r = VARIANTS[args.variant](args)
         r["peak_rss_mb"] = peak_rss_mb()
         (args.workdir / f"{args.variant}.json").write_text(json.dumps(r))
-        # vLLM's threads can abort the interpreter's teardown ("terminate called without an
-        # active exception"); the figures are written, so leave as batchembed's CLI does.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        return 0  # a normal exit, as a user's script has: it shuts vLLM's engine processes down
 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_corpus.py"), str(args.corpus),
                     "--rows", str(args.rows), "--files", "8", "--min-chars", str(args.min_chars)], check=True)
