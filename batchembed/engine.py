@@ -67,8 +67,8 @@ def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str
     return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
 
 
-def kv_cache_bytes(model_path, dtype: str, tokens: int) -> int | None:
-    """KV cache for `tokens` tokens of a decoder model, from its config.json; None if unknown.
+def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
+    """KV cache for `tokens` tokens of a decoder model; None if its config does not say.
 
     On a GPU we give vLLM this size (kv_cache_memory_bytes) rather than let it size the cache
     by profiling: the profile reads the device's free memory, so an engine starting beside
@@ -78,20 +78,9 @@ def kv_cache_bytes(model_path, dtype: str, tokens: int) -> int | None:
     cache of two steps' tokens is all a batch job uses; vLLM's default takes 90 % of the GPU.
     Encoder-only models keep no KV cache, and vLLM ignores the size for them.
     """
-    import json
-    from pathlib import Path
-
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        layers = int(cfg["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
+    if model.kv_values_per_token is None:
         return None
-    per_token = layers * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-    return per_token * tokens
+    return model.kv_values_per_token * (4 if dtype == "float32" else 2) * tokens
 
 
 def _copy_engine_output_frames() -> None:
@@ -180,7 +169,7 @@ class Engine:
             enable_prefix_caching=False,
         )
         if not self.on_cpu:
-            kv_bytes = kv_cache_bytes(model.path, dtype, 2 * self.token_budget)
+            kv_bytes = kv_cache_bytes(model, dtype, 2 * self.token_budget)
             if kv_bytes:
                 args["kv_cache_memory_bytes"] = max(kv_bytes, 256 * 2**20)
         args.update(spec.vllm_args)

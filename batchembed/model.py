@@ -31,6 +31,20 @@ class ModelInfo:
     position_limit: int  # the most tokens its position embeddings allow
     matryoshka_dimensions: tuple[int, ...] | None  # None: not declared
     is_matryoshka: bool
+    kv_values_per_token: int | None = None  # K and V values a token keeps in all layers; None: unknown
+
+
+def kv_values_per_token(config: dict) -> int | None:
+    """layers x (K, V) x kv heads x head dim, from a config.json (kv heads default to the heads,
+    head dim to hidden / heads); None when it does not say. Sizes a GPU engine's KV cache."""
+    config = config.get("text_config", config)
+    try:
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
 
 
 def _package_model_dir(package: str) -> Path:
@@ -118,6 +132,7 @@ def read_model_info(name: str) -> ModelInfo:
         position_limit=int(config.get("max_position_embeddings") or max_length),
         matryoshka_dimensions=tuple(mdims) if mdims else None,
         is_matryoshka=bool(config.get("is_matryoshka") or mdims),
+        kv_values_per_token=kv_values_per_token(config),
     )
 
 

@@ -54,15 +54,17 @@ def test_kv_cache_size_for_gpu_engines_from_the_model_config(tmp_path, model_inf
     from batchembed.engine import kv_cache_bytes
 
     # MiniLM: 6 layers, 12 heads of 32 (hidden 384), bf16
-    assert kv_cache_bytes(model_info.path, "bfloat16", 1000) == 6 * 2 * 12 * 32 * 2 * 1000
-    assert kv_cache_bytes(model_info.path, "float32", 1000) == 6 * 2 * 12 * 32 * 4 * 1000
+    assert kv_cache_bytes(model_info, "bfloat16", 1000) == 6 * 2 * 12 * 32 * 2 * 1000
+    assert kv_cache_bytes(model_info, "float32", 1000) == 6 * 2 * 12 * 32 * 4 * 1000
     # Qwen3-0.6B: grouped-query attention (8 kv heads of 128), two steps of 65,536 tokens: 14 GiB
     qwen = tmp_path / "qwen3"
     qwen.mkdir()
     (qwen / "config.json").write_text(json.dumps({
         "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
         "hidden_size": 1024}))
-    assert kv_cache_bytes(qwen, "auto", 2 * 65536) == 14 * 2**30
+    assert kv_cache_bytes(read_model_info(str(qwen)), "auto", 2 * 65536) == 14 * 2**30
     (qwen / "config.json").write_text(json.dumps({"hidden_size": 1024}))
-    assert kv_cache_bytes(qwen, "auto", 10) is None  # unknown: vLLM sizes the cache itself
-    assert kv_cache_bytes(tmp_path / "missing", "auto", 10) is None
+    assert kv_cache_bytes(read_model_info(str(qwen)), "auto", 10) is None  # unknown: vLLM sizes the cache itself
+    (tmp_path / "missing").mkdir()
+    with pytest.raises(JobError, match="no config.json"):  # without a config there is no engine at all
+        read_model_info(str(tmp_path / "missing"))
