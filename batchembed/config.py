@@ -124,7 +124,9 @@ class EngineSpec(_Strict):
     data_parallel: int = Field(1, ge=1, description="engine processes pulling parts from one queue: one per "
                                "GPU, or several on one GPU (small models: one engine's Python front end is "
                                "the limit), or one per slice of the CPU cores")
-    enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: compiled on a GPU (Qwen3-0.6B shape @ 512 tokens +15 %; the first start compiles for ~20 s, vLLM caches it), eager on CPU")
+    enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: "
+                                       "compiled on a GPU (Qwen3-0.6B shape @ 512 tokens +15 %; the first "
+                                       "start compiles for ~20 s, vLLM caches it), eager on CPU")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
     dedup_cache_mb: int = Field(256, ge=0, description="recent vectors kept by text hash, so a text seen "

@@ -9,10 +9,11 @@
 One engine per setting, in this process one after the other. A setting is a comma-separated
 list of engine keys of the job file (token_budget, max_batch_rows, enforce_eager,
 gpu_memory_utilization, vllm_args.NAME); without --setting, every --budgets x --eager pair.
-Prints the engine's start-up seconds and tokens/s for one call per window of
+Prints the engine's start-up seconds, tokens/s for one call per window of
 engine.sort_window_rows rows, as the pipeline makes them (batcher.embed_rows: rows in
-token-budget batch order), and for one call with every row unless --no-one-call. --synthetic: random token ids of exactly
---max-length each (the engine's speed does not depend on which ids), no corpus needed.
+token-budget batch order), for one call with every row unless --no-one-call, and the
+seconds closing the engine took. --synthetic: random token ids of exactly --max-length
+each (the engine's speed does not depend on which ids), no corpus needed.
 Set VLLM_CPU_NUM_OF_RESERVED_CPU in the environment to compare the CPU front-end reserve
 (batchembed sets it to 0 unless you do).
 """
@@ -42,7 +43,7 @@ def parse_setting(text: str) -> dict:
         if key.startswith("vllm_args."):
             spec["vllm_args"][key.split(".", 1)[1]] = value
         else:
-            spec[key] = bool(value) if key == "enforce_eager" else value
+            spec[key] = value  # EngineSpec validates it (enforce_eager=0 is false)
     return spec
 
 
