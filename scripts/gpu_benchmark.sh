@@ -1,27 +1,61 @@
 #!/usr/bin/env bash
-# The GPU benchmark table on the lent H200 machine (vLLM 0.24 from the bundle of
-# ../shared/gpu/README.md, installed into ~/site beforehand).
-#   bash scripts/gpu_benchmark.sh OUT_DIR [VARIANTS] [CONFIGS]
-#     VARIANTS: letters of scripts/benchmark.py (default: ad)
-#     CONFIGS:  which of the cases below, e.g. "12" (default: all, 12345)
-# Needs ~/models/minilm (the bf16 MiniLM of the bundle); makes random-weight bge-base and
-# Qwen3-0.6B shapes with mkmodels.py (same speed as trained weights).
+# The GPU benchmark table on the lent H200 machine: every case of it from one script, on one
+# machine. Needs vLLM 0.24 installed into ~/site and ~/models/minilm (the bf16 MiniLM of the
+# bundle), both as in ../shared/gpu/README.md; makes random-weight bge-base and Qwen3-0.6B
+# shapes with mkmodels.py (same speed as trained weights).
+#   bash scripts/gpu_benchmark.sh OUT_DIR [GROUP | CASE]...
+#     GROUP  table: MiniLM, bge-base and Qwen3-0.6B shapes @ 80 and 512 tokens, variants abcd
+#            targets: the whole-job target cases (bge-base @ 80 with six engines on 2 M rows;
+#                     Qwen3-0.6B @ 512 with two engines on 200 k rows, bf16 and fp8)
+#            all (default): table and targets. Device calls last at most 10 minutes: name a few
+#            cases per call (CASE strings, as below) and run the calls back to back.
+#     CASE   model:max_length:min_chars:rows:variants[:KEY=VALUE+KEY=VALUE...]
+#            e.g. qwen3-0.6b:512:3000:200000:d:engine.data_parallel=2+output.rows_per_part=5000
+#            (variants are letters of scripts/benchmark.py; KEY=VALUE pairs go to batchembed run --set)
+# Each case writes OUT_DIR/NAME/ (benchmark.py's results.json and results.md) and, for variant d,
+# OUT_DIR/NAME.d.log and NAME.manifest.json; scripts/gpu_table.py OUT_DIR prints the whole table.
 set -euo pipefail
-OUT=${1:?usage: gpu_benchmark.sh OUT_DIR [VARIANTS] [CONFIGS]}
-VARIANTS=${2:-ad}
-CONFIGS=${3:-12345}
+OUT=${1:?usage: gpu_benchmark.sh OUT_DIR [GROUP | CASE]...}
+shift
+[ $# -gt 0 ] || set -- all
 export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 MK=${MKMODELS:-../shared/gpu/mkmodels.py}
-[ -d ~/models/bge-base ] || python3 "$MK" ~/models/minilm ~/models
-run() {  # case model max_length min_chars rows
-  case "$CONFIGS" in *"$1"*) ;; *) return 0;; esac
-  echo "== case $1: $2 max_length $3, $5 rows"
-  python3 scripts/benchmark.py --model "$2" --max-length "$3" --min-chars "$4" --rows "$5" \
-    --variants "$VARIANTS" --out "$OUT/work" 2>&1 | tail -9
-}
-run 1 ~/models/minilm 80 500 100000
-run 2 ~/models/bge-base 80 500 100000
-run 3 ~/models/bge-base 512 3000 20000
-run 4 ~/models/qwen3-0.6b 80 500 60000
-run 5 ~/models/qwen3-0.6b 512 3000 12000
-cat "$OUT"/work/*/results.md > "$OUT/gpu-results.md"
+mkdir -p "$OUT"
+[ -d ~/site/vllm ] || { echo "no vLLM in ~/site: install the bundle first (../shared/gpu/README.md)" >&2; exit 2; }
+[ -d ~/models/bge-base ] || python3 "$MK" ~/models/minilm ~/models > "$OUT/mkmodels.log" 2>&1
+
+QWEN_DP2=qwen3-0.6b:512:3000:200000:d:engine.data_parallel=2+output.rows_per_part=5000
+TABLE=(minilm:80:500:40000:abcd minilm:512:3000:12000:abcd bge-base:80:500:40000:abcd
+       bge-base:512:3000:12000:abcd qwen3-0.6b:80:500:20000:abcd qwen3-0.6b:512:3000:6000:abcd)
+TARGETS=(bge-base:80:500:2000000:d:engine.data_parallel=6+output.rows_per_part=100000 "$QWEN_DP2"
+         "$QWEN_DP2+engine.vllm_args.quantization=fp8+fidelity_min_cosine=0.5")
+cases=()
+for a in "$@"; do
+  case "$a" in
+    table) cases+=("${TABLE[@]}") ;;
+    targets) cases+=("${TARGETS[@]}") ;;
+    all) cases+=("${TABLE[@]}" "${TARGETS[@]}") ;;
+    *:*) cases+=("$a") ;;
+    *) echo "unknown group or case: $a" >&2; exit 2 ;;
+  esac
+done
+
+for c in "${cases[@]}"; do
+  IFS=: read -r model len chars rows variants extra <<< "$c"
+  # a short checksum names the extra settings (they are in the JSON's "settings"): file names stay plain
+  name=$model-$len-rows$rows-$variants${extra:+-x$(cksum <<< "$extra" | cut -d' ' -f1)}
+  sets=()
+  IFS=+ read -ra pairs <<< "${extra:-}"
+  for kv in "${pairs[@]}"; do sets+=(--d-set "$kv"); done
+  echo "== $(date +%T) $model @ $len tokens, $rows rows, variants $variants ${extra:-}"
+  # output to a file, not a pipe: vLLM's engine processes can keep a pipe open after they exit
+  timeout "${CASE_TIMEOUT:-400}" python3 scripts/benchmark.py --model ~/models/"$model" --max-length "$len" \
+    --min-chars "$chars" --rows "$rows" --variants "$variants" "${sets[@]}" --out "$OUT/$name" \
+    > "$OUT/$name.log" 2>&1 || echo "   case failed or timed out: $c (see $name.log)"
+  grep -E "^  |^Ratios" "$OUT/$name.log" || true
+  for f in "$OUT/$name"/*/d.log "$OUT/$name"/*/d-out/manifest.json "$OUT/$name"/*/d-out/_fidelity.json; do
+    if [ -f "$f" ]; then cp "$f" "$OUT/$name.$(basename "$f")"; fi
+  done
+  rm -rf "$OUT/$name"/*/corpus "$OUT/$name"/*/d-out "$OUT/$name"/*/*.parquet  # keep only the figures
+done
+python3 scripts/gpu_table.py "$OUT" > "$OUT/gpu-table.md" && cat "$OUT/gpu-table.md"
