@@ -60,7 +60,10 @@ def make_llm(path, dtype, max_len, **kw):
     from vllm import LLM
 
     return LLM(model=str(path), runner="pooling", dtype=dtype, max_model_len=max_len, enforce_eager=_on_cpu(),
-               gpu_memory_utilization=0.1 if _on_cpu() else 0.9, seed=0, **kw)
+               gpu_memory_utilization=0.1 if _on_cpu() else 0.9, seed=0,
+               # as batchembed has it: with vLLM's default (on for causal last-token poolers such as
+               # Qwen3-Embedding) variants a and b stalled on this corpus's shared prefixes on the H200
+               enable_prefix_caching=False, **kw)
 
 
 def _on_cpu() -> bool:
@@ -217,6 +220,43 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
+def write_report(args, tag: str, results: dict, runs: dict[str, list[dict]]) -> list[str]:
+    """OUT/results.json and results.md from the runs so far (written after every variant, so a
+    case cut off by a timeout keeps what it measured). Returns the markdown lines."""
+    for name, rs in runs.items():
+        if rs:
+            results[name] = median_of(rs)
+    ratios = {}
+    if "d" in results:
+        for o in "abc":
+            if o in results:
+                ratios[f"d/{o} steady"] = results["d"]["tok_s_steady"] / results[o]["tok_s_steady"]
+                if o != "a":
+                    ratios[f"d/{o} whole"] = results["d"]["tok_s_whole"] / results[o]["tok_s_whole"]
+    report = {"machine": machine(), "rows": args.rows, "dtype": args.dtype, "model": args.model,
+              "repeat": args.repeat,
+              "max_length": model_info().max_length,
+              "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios}
+    (args.workdir / "results.json").write_text(json.dumps(report, indent=2))
+    lines = [f"Machine: {report['machine']}. Model {tag}, {args.dtype}, max_length {report['max_length']}, "
+             f"{args.rows:,} texts ({results[next(iter(results))]['tokens']:,} tokens), {report['date']}."
+             + (f" Medians of {args.repeat} interleaved runs of each variant." if args.repeat > 1 else ""), "",
+             "| variant | tok/s steady | tok/s whole process | rows/s whole | peak RSS MB | engine idle |",
+             "|---|---|---|---|---|---|"]
+    for name, r in sorted(results.items()):
+        idle = f"{r['engine_idle_share']:.1%}" if r.get("engine_idle_share") is not None else "—"
+        whole = "—" if name == "a" else f"{r['tok_s_whole']:,.0f}"
+        rows = "—" if name == "a" else f"{r['rows_s_whole']:,.0f}"
+        lines.append(f"| {LABELS[name]} | {r['tok_s_steady']:,.0f} | {whole} | {rows} | {r['peak_rss_mb']:,.0f} | {idle} |")
+    lines += ["", "Ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items())]
+    for name, r in sorted(results.items()):
+        if r.get("runs"):
+            lines.append(f"{LABELS[name]}, each run (steady / whole tok/s): "
+                         + ", ".join(f"{x['tok_s_steady']:,.0f} / {x['tok_s_whole']:,.0f}" for x in r["runs"]))
+    (args.workdir / "results.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=12000)
@@ -262,36 +302,8 @@ def main() -> int:
             runs[name].append(r)
             print(f"  {r['tok_s_steady']:,.0f} tok/s steady, {r['tok_s_whole']:,.0f} tok/s whole process, "
                   f"peak RSS {r['peak_rss_mb']:,.0f} MB", flush=True)
-    for name, rs in runs.items():
-        results[name] = median_of(rs)
-    ratios = {}
-    if "d" in results:
-        for o in "abc":
-            if o in results:
-                ratios[f"d/{o} steady"] = results["d"]["tok_s_steady"] / results[o]["tok_s_steady"]
-                if o != "a":
-                    ratios[f"d/{o} whole"] = results["d"]["tok_s_whole"] / results[o]["tok_s_whole"]
-    report = {"machine": machine(), "rows": args.rows, "dtype": args.dtype, "model": args.model,
-              "repeat": args.repeat,
-              "max_length": model_info().max_length,
-              "date": time.strftime("%Y-%m-%d"), "results": results, "ratios": ratios}
-    (args.workdir / "results.json").write_text(json.dumps(report, indent=2))
-    lines = [f"Machine: {report['machine']}. Model {tag}, {args.dtype}, max_length {report['max_length']}, "
-             f"{args.rows:,} texts ({results[next(iter(results))]['tokens']:,} tokens), {report['date']}."
-             + (f" Medians of {args.repeat} interleaved runs of each variant." if args.repeat > 1 else ""), "",
-             "| variant | tok/s steady | tok/s whole process | rows/s whole | peak RSS MB | engine idle |",
-             "|---|---|---|---|---|---|"]
-    for name, r in sorted(results.items()):
-        idle = f"{r['engine_idle_share']:.1%}" if r.get("engine_idle_share") is not None else "—"
-        whole = "—" if name == "a" else f"{r['tok_s_whole']:,.0f}"
-        rows = "—" if name == "a" else f"{r['rows_s_whole']:,.0f}"
-        lines.append(f"| {LABELS[name]} | {r['tok_s_steady']:,.0f} | {whole} | {rows} | {r['peak_rss_mb']:,.0f} | {idle} |")
-    lines += ["", "Ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items())]
-    for name, r in sorted(results.items()):
-        if r.get("runs"):
-            lines.append(f"{LABELS[name]}, each run (steady / whole tok/s): "
-                         + ", ".join(f"{x['tok_s_steady']:,.0f} / {x['tok_s_whole']:,.0f}" for x in r["runs"]))
-    (args.workdir / "results.md").write_text("\n".join(lines) + "\n")
+            write_report(args, tag, results, runs)
+    lines = write_report(args, tag, results, runs)
     print("\n".join(lines))
     return 0
 

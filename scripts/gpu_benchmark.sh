@@ -12,8 +12,9 @@
 #     CASE   model:max_length:min_chars:rows:variants[:KEY=VALUE+KEY=VALUE...]
 #            e.g. qwen3-0.6b:512:3000:200000:d:engine.data_parallel=2+output.rows_per_part=5000
 #            (variants are letters of scripts/benchmark.py; KEY=VALUE pairs go to batchembed run --set)
-# Each case writes OUT_DIR/NAME/ (benchmark.py's results.json and results.md) and, for variant d,
-# OUT_DIR/NAME.d.log and NAME.manifest.json; scripts/gpu_table.py OUT_DIR prints the whole table.
+# Each case writes OUT_DIR/NAME.results.json (benchmark.py's), NAME.log and, for variant d, NAME.d.log
+# and NAME.manifest.json; scripts/gpu_table.py OUT_DIR prints the whole table, OUT_DIR.tgz holds it all.
+# Give each case time: a cold compile makes each vLLM variant's start-up 40-70 s (CASE_TIMEOUT, 400 s).
 set -euo pipefail
 OUT=${1:?usage: gpu_benchmark.sh OUT_DIR [GROUP | CASE]...}
 shift
@@ -48,6 +49,11 @@ for c in "${cases[@]}"; do
   IFS=+ read -ra pairs <<< "${extra:-}"
   for kv in "${pairs[@]}"; do sets+=(--d-set "$kv"); done
   echo "== $(date +%T) $model @ $len tokens, $rows rows, variants $variants ${extra:-}"
+  if [[ "${extra:-}" == *quantization=fp8* ]] && ! python3 -c "import compressed_tensors" 2>/dev/null; then
+    # vLLM's fp8 path imports it; the bundle of ../shared/gpu lacks it: carry the wheels of
+    # compressed-tensors==0.17.0 (vLLM 0.24's pin) and loguru, pip install them into ~/site
+    echo "   skipped: no compressed_tensors module (vLLM 0.24 needs it for quantization=fp8)"; continue
+  fi
   # output to a file, not a pipe: vLLM's engine processes can keep a pipe open after they exit
   timeout "${CASE_TIMEOUT:-400}" python3 scripts/benchmark.py --model ~/models/"$model" --max-length "$len" \
     --min-chars "$chars" --rows "$rows" --variants "$variants" "${sets[@]}" --out "$OUT/$name" \
@@ -56,6 +62,9 @@ for c in "${cases[@]}"; do
   for f in "$OUT/$name"/*/d.log "$OUT/$name"/*/d-out/manifest.json "$OUT/$name"/*/d-out/_fidelity.json; do
     if [ -f "$f" ]; then cp "$f" "$OUT/$name.$(basename "$f")"; fi
   done
+  for f in "$OUT/$name"/*/results.json; do if [ -f "$f" ]; then cp "$f" "$OUT/$name.results.json"; fi; done
   rm -rf "$OUT/$name"/*/corpus "$OUT/$name"/*/d-out "$OUT/$name"/*/*.parquet  # keep only the figures
 done
 python3 scripts/gpu_table.py "$OUT" > "$OUT/gpu-table.md" && cat "$OUT/gpu-table.md"
+# one archive of every figure and log: the device tool brings back at most 8 files
+tar czf "$OUT.tgz" --exclude='*/corpus' --exclude='*.parquet' -C "$(dirname "$OUT")" "$(basename "$OUT")"
