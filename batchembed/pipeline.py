@@ -111,6 +111,8 @@ class Pipeline:
         self.records: dict[int, dict] = {}
         self.failed: list[dict] = []
         self.engine_seconds = 0.0
+        self.input_wait_seconds = 0.0  # the engine thread waiting for a tokenised window
+        self.output_wait_seconds = 0.0  # ... and for room in the writer's queue
         self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens) of each engine call
         # int8 / uint8: the output's calibration, made before any pipeline starts
         self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
@@ -257,14 +259,19 @@ class Pipeline:
 
     def run_engine(self) -> None:
         while True:
+            t = time.perf_counter()
             item = self._get(self.q_in)
+            if self.calls and item is not _END:  # waits before the first call overlap the engine's start
+                self.input_wait_seconds += time.perf_counter() - t
             if item is _END:
                 self._put(self.q_out, _END)
                 return
             if isinstance(item[1], pa.RecordBatch):
                 self._embed_window(item[2])
+            t = time.perf_counter()
             if not self._put(self.q_out, item):
                 return
+            self.output_wait_seconds += time.perf_counter() - t
 
     def write(self) -> None:
         p = self.p
@@ -346,7 +353,18 @@ class Pipeline:
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
         finally:
+            engine_done = time.perf_counter()
             for t in threads:
                 t.join()
+        if self.calls:
+            # Where an engine's idle time went: waiting for the reader/tokeniser, for the writer,
+            # or the engine thread's own work between calls (vector cache, turning outputs into
+            # a matrix). The next GPU measurement needs this split (notes/performance.md).
+            span = engine_done - self.calls[0][0]
+            waits = self.input_wait_seconds + self.output_wait_seconds
+            log.info("engine thread, from its first engine call to its end: %.1f s in %d calls, %.1f s "
+                     "waiting for tokenised windows, %.1f s for the writer, %.1f s of its own work",
+                     self.engine_seconds, len(self.calls), self.input_wait_seconds, self.output_wait_seconds,
+                     max(0.0, span - self.engine_seconds - waits))
         if self.errors:
             raise self.errors[0]
