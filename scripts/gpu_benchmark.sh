@@ -59,10 +59,9 @@ for c in "${cases[@]}"; do
     --min-chars "$chars" --rows "$rows" --variants "$variants" "${sets[@]}" --out "$OUT/$name" \
     > "$OUT/$name.log" 2>&1 || echo "   case failed or timed out: $c (see $name.log)"
   grep -E "^  |^Ratios" "$OUT/$name.log" || true
-  for f in "$OUT/$name"/*/d.log "$OUT/$name"/*/d-out/manifest.json "$OUT/$name"/*/d-out/_fidelity.json; do
+  for f in "$OUT/$name"/*/{results.json,d.log,d-out/manifest.json,d-out/_fidelity.json}; do
     if [ -f "$f" ]; then cp "$f" "$OUT/$name.$(basename "$f")"; fi
   done
-  for f in "$OUT/$name"/*/results.json; do if [ -f "$f" ]; then cp "$f" "$OUT/$name.results.json"; fi; done
   rm -rf "$OUT/$name"/*/corpus "$OUT/$name"/*/d-out "$OUT/$name"/*/*.parquet  # keep only the figures
 done
 python3 scripts/gpu_table.py "$OUT" > "$OUT/gpu-table.md" && cat "$OUT/gpu-table.md"

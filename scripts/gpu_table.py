@@ -2,9 +2,9 @@
 
     python3 scripts/gpu_table.py OUT_DIR [OUT_DIR...]
 
-Reads every OUT_DIR/NAME.results.json and OUT_DIR/*/*/results.json (scripts/benchmark.py's), one row per case: each
-variant's steady tok/s, batchembed's whole-process tok/s, the ratios, engine idle, peak RSS
-and the share of the FLOP ceiling.
+Reads every OUT_DIR/NAME.results.json and OUT_DIR/*/*/results.json (scripts/benchmark.py's),
+one row per case: each variant's steady tok/s, batchembed's whole-process tok/s, the ratios,
+engine idle, peak RSS and the share of the FLOP ceiling.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    files = {f.resolve(): f for out in argv for pattern in ("*.results.json", "*/*/results.json")
+    # a case's results.json and its flat copy NAME.results.json are one case: the same bytes
+    texts = {f.read_bytes() for out in argv for pattern in ("*.results.json", "*/*/results.json")
              for f in Path(out).glob(pattern)}
-    # a case's results.json and its flat copy NAME.results.json are one case
-    reports = list({f.read_bytes(): json.loads(f.read_text()) for f in sorted(files.values())}.values())
+    reports = [json.loads(t) for t in sorted(texts)]
     if not reports:
         print(f"no results.json under {', '.join(argv)}", file=sys.stderr)
         return 1
