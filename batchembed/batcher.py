@@ -1,11 +1,14 @@
-"""Token-budget batching: cut a window of rows into engine calls of bounded size.
+"""Token-budget batching: cut a window of rows into engine steps of bounded size.
 
 Rows are sorted by length inside the window (longest first, as
-sentence-transformers does), so each call holds rows of similar length, and
-the caller scatters results back by index, so output order is input order.
+sentence-transformers does) and submitted in that order, so each engine step
+holds rows of similar length; results are scattered back by index, so output
+order is input order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,28 +35,52 @@ def token_budget_batches(lengths: np.ndarray, token_budget: int, max_rows: int) 
     return batches
 
 
-def embed_rows(engine, tok, rows: np.ndarray) -> np.ndarray:
-    """Vectors for rows `rows` of a Tokenized, in one engine call, sequences in token-budget
-    batch order (vLLM's scheduler then runs our batches as its steps back to back).
+@dataclass
+class RowPlan:
+    """The sequences that give some rows of a Tokenized their vectors, in submission order.
 
-    A chunked row (long_text: chunk) is the token-weighted mean of its windows' vectors,
-    renormalised. Returns float32 (len(rows), dimension), L2-normalised rows."""
+    A chunked row (long_text: chunk) has several sequences, its windows; its vector is their
+    token-weighted mean, renormalised."""
+
+    seqs: list[list[int]]  # token ids, in token-budget batch order
+    order: np.ndarray  # seqs[k] is sequence order[k] of the unordered list
+    rows: int
+    owner: np.ndarray | None = None  # per unordered sequence: its row (chunked windows only)
+    lengths: np.ndarray | None = None  # per unordered sequence: its tokens (chunked windows only)
+
+    def vectors(self, submitted: np.ndarray) -> np.ndarray:
+        """float32 (rows, dimension) L2-normalised rows, from the vectors of `seqs` in order."""
+        vectors = np.empty_like(submitted)
+        vectors[self.order] = submitted
+        if self.owner is None:
+            return vectors
+        pooled = np.zeros((self.rows, submitted.shape[1]), dtype=np.float64)
+        np.add.at(pooled, self.owner, vectors * self.lengths[:, None])
+        pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return pooled.astype(np.float32)
+
+
+def plan_rows(tok, rows: np.ndarray, token_budget: int, max_rows: int) -> RowPlan:
+    """What to submit for rows `rows` of a Tokenized, in token-budget batch order (vLLM's
+    scheduler then runs our batches as its steps back to back)."""
+    def batch_order(lengths: np.ndarray) -> np.ndarray:
+        batches = token_budget_batches(lengths, token_budget, max_rows)
+        return np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+
     if not tok.chunks:
-        batches = token_budget_batches(tok.lengths[rows], engine.token_budget, engine.max_batch_rows)
-        order = np.concatenate(batches)  # positions in rows
-        out = np.empty((len(rows), engine.dimension), dtype=np.float32)
-        out[order] = engine.embed([tok.ids[i] for i in rows[order].tolist()])
-        return out
+        order = batch_order(tok.lengths[rows])
+        return RowPlan([tok.ids[i] for i in rows[order].tolist()], order, len(rows))
     seqs, owner = [], []
     for k, i in enumerate(rows.tolist()):
         for ids in tok.chunks.get(i, (tok.ids[i],)):
             seqs.append(ids)
             owner.append(k)
     lengths = np.fromiter((len(x) for x in seqs), dtype=np.int64, count=len(seqs))
-    order = np.concatenate(token_budget_batches(lengths, engine.token_budget, engine.max_batch_rows))
-    vectors = np.empty((len(seqs), engine.dimension), dtype=np.float32)
-    vectors[order] = engine.embed([seqs[j] for j in order])
-    pooled = np.zeros((len(rows), engine.dimension), dtype=np.float64)
-    np.add.at(pooled, np.asarray(owner), vectors * lengths[:, None])
-    pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
-    return pooled.astype(np.float32)
+    order = batch_order(lengths)
+    return RowPlan([seqs[j] for j in order], order, len(rows), np.asarray(owner), lengths)
+
+
+def embed_rows(engine, tok, rows: np.ndarray) -> np.ndarray:
+    """Vectors for rows `rows` of a Tokenized, waiting for them: float32 (len(rows), dimension)."""
+    plan = plan_rows(tok, rows, engine.token_budget, engine.max_batch_rows)
+    return plan.vectors(engine.embed(plan.seqs))

@@ -121,6 +121,9 @@ class EngineSpec(_Strict):
     max_batch_rows: int | None = Field(None, ge=1, description="most rows in one engine step; "
                                        "default 512 on CPU, 4096 on GPU")
     sort_window_rows: int = Field(8192, ge=1, description="rows read, tokenised and length-sorted together")
+    windows_in_flight: int = Field(2, ge=1, description="windows queued on the engine at once: with 2 it "
+                                   "starts the next window while the last one's vectors are collected; 1 "
+                                   "lets it drain at every window's end")
     data_parallel: int = Field(1, ge=1, description="engine processes pulling parts from one queue: one per "
                                "GPU, or several on one GPU (small models: one engine's Python front end is "
                                "the limit), or one per slice of the CPU cores")

@@ -3,16 +3,21 @@
 Three things are done on purpose here:
   - `PoolingParams(task="embed")`: without a task, recent vLLM returns per-token
     hidden states (tokens x hidden) instead of one pooled vector.
-  - `LLM.encode(..., pooling_task="embed")` rather than `LLM.embed`: the latter
-    turns every vector into a Python list of floats; we keep the tensors.
+  - requests go straight to vLLM's engine (`LLMEngine.add_request` / `step`), not
+    through `LLM.embed`, which turns every vector into a Python list of floats and
+    returns only when its whole call is done: the engine would drain and wait for
+    Python between calls. `submit` queues sequences and returns at once; `step`
+    collects finished vectors as tensors, so the next window can be queued while
+    the current one runs (pipeline.Pipeline keeps two in flight).
   - every result is checked to be exactly one vector of the model's dimension.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -128,6 +133,19 @@ def _shutdown_grace(shutdown) -> dict:
     return {"timeout": 1.0} if takes_timeout else {}
 
 
+def _prompt_maker():
+    """Token ids as vLLM's engine takes them. Recent vLLM takes an already rendered input
+    (`tokens_input`), which skips its renderer on every request: the engine thread's
+    per-request cost is what bounds one engine on short rows. Older vLLM takes a TokensPrompt."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return lambda ids: TokensPrompt(prompt_token_ids=ids)
+    return tokens_input
+
+
 class Engine:
     """One vLLM engine. Use as a context manager, or call close().
 
@@ -202,33 +220,77 @@ class Engine:
                 else:
                     os.environ[k] = v
         self._params = PoolingParams(task="embed")
-        self.calls = 0  # engine calls made: a run that only reuses vectors makes none
+        self._prompt = _prompt_maker()
+        self._ids = itertools.count()
+        self._slots: dict[str, tuple[Pending, int]] = {}  # request id -> (its submission, position)
+        self.calls = 0  # submissions made: a run that only reuses vectors makes none
+
+    @property
+    def busy(self) -> bool:
+        """Sequences submitted whose vectors have not come back yet."""
+        return bool(self._slots)
+
+    def submit(self, token_ids: list[list[int]]) -> "Pending":
+        """Queue sequences on the engine and return at once; `step` fills the result.
+
+        The scheduler takes sequences in the order they were queued, so a caller that submits
+        rows in token-budget batch order gets those batches as its steps."""
+        pending = Pending(len(token_ids), self.dimension)
+        if not token_ids:
+            return pending
+        self.calls += 1
+        add = self.llm.llm_engine.add_request
+        slots, ids, params = self._slots, self._ids, self._params
+        for i, seq in enumerate(token_ids):
+            rid = str(next(ids))
+            slots[rid] = (pending, i)
+            try:
+                add(rid, self._prompt(seq), params)
+            except Exception as e:  # noqa: BLE001 - vLLM validates each request as it is added
+                slots.pop(rid, None)
+                self.abort()
+                raise RunError(f"the engine refused a sequence of {len(seq)} tokens: {type(e).__name__}: {e}") from e
+        return pending
+
+    def step(self) -> None:
+        """Wait for one engine step and file its finished vectors. Only call while `busy`."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            lost = len(self._slots)
+            self.abort()
+            raise RunError(f"the engine finished its requests but {lost} vectors never came back")
+        for out in engine.step():
+            if not out.finished:
+                continue
+            # our ids are digits; newer vLLM may append "-<random>" to the id it reports
+            pending, i = self._slots.pop(out.request_id.split("-", 1)[0])
+            if getattr(out, "error", None) is not None:
+                self.abort()
+                raise RunError(f"engine failed a request ({len(out.prompt_token_ids)} tokens): {out.error}")
+            data = out.outputs.data
+            # The per-token bug: a missing pooling task yields (tokens, hidden) per row.
+            if tuple(data.shape) != (self.dimension,):
+                self.abort()
+                raise RunError(f"engine returned shape {tuple(data.shape)} per row, expected one vector of "
+                               f"{self.dimension}: the model's pooling does not produce sentence embeddings")
+            pending.put(i, data)
+
+    def abort(self) -> None:
+        """Drop every queued sequence (after a failure, so a reused engine starts clean)."""
+        if self._slots:
+            ids, self._slots = list(self._slots), {}
+            try:
+                self.llm.llm_engine.abort_request(ids)
+            except Exception as e:  # noqa: BLE001 - the engine may already be gone
+                log.warning("engine abort: %s", e)
 
     def embed(self, token_ids: list[list[int]]) -> np.ndarray:
-        """One engine call. Returns float32 (rows, dimension), each row L2-normalised by the model's pooler."""
-        import torch
-        from vllm.inputs import TokensPrompt
-
-        if not token_ids:
-            return np.zeros((0, self.dimension), dtype=np.float32)
-        self.calls += 1
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
-        outputs = self.llm.encode(prompts, pooling_params=self._params, pooling_task="embed", use_tqdm=False)
-        if len(outputs) != len(prompts):
-            raise RunError(f"engine returned {len(outputs)} results for {len(prompts)} inputs")
-        tensors = []
-        for out in outputs:
-            if getattr(out, "error", None) is not None:
-                raise RunError(f"engine failed a request ({len(out.prompt_token_ids)} tokens): {out.error}")
-            tensors.append(out.outputs.data)
-        matrix = torch.stack(tensors).to(torch.float32).cpu().numpy()
-        # The per-token bug: a missing pooling task yields (tokens, hidden) per row.
-        if matrix.shape != (len(prompts), self.dimension):
-            raise RunError(
-                f"engine returned shape {tuple(tensors[0].shape)} per row, expected one vector of "
-                f"{self.dimension}: the model's pooling does not produce sentence embeddings"
-            )
-        return matrix
+        """Vectors for `token_ids`, waiting for them. float32 (rows, dimension), each row
+        L2-normalised by the model's pooler."""
+        pending = self.submit(token_ids)
+        while not pending.done:
+            self.step()
+        return pending.matrix()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -251,3 +313,36 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class Pending:
+    """The vectors of one `Engine.submit`, filled in as the engine finishes its sequences."""
+
+    rows: int
+    dimension: int
+    left: int = -1
+    _parts: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.left = self.rows
+        self._parts = [None] * self.rows
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def put(self, i: int, tensor) -> None:
+        self._parts[i] = tensor
+        self.left -= 1
+
+    def matrix(self) -> np.ndarray:
+        """float32 (rows, dimension), once done: one stack and one copy for the lot."""
+        import torch
+
+        if not self.rows:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        m = torch.stack(self._parts).to(torch.float32).cpu().numpy()
+        self._parts = []
+        return m
+

@@ -4,7 +4,10 @@
 
 Queues are bounded, so memory stays flat whatever the corpus size, and the
 engine thread does nothing but feed the engine: reading, tokenising, Matryoshka
-reduction and Parquet writing all happen beside it.
+reduction and Parquet writing all happen beside it. The engine thread keeps
+`engine.windows_in_flight` windows queued on the engine (default 2), so the
+engine starts on the next window while the thread collects the last one's
+vectors, instead of draining and waiting for Python at every window's end.
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from . import calibration, fidelity, storage
-from .batcher import embed_rows
+from .batcher import RowPlan, plan_rows
 from .errors import RunError
 from .incremental import TaskIndex, id_keys, text_hashes
 from .matryoshka import reduce
@@ -33,6 +36,7 @@ from .tokenizer import Tokenized, make_tokenizer
 from .writer import SCALAR, PartWriter, vector_array
 
 if TYPE_CHECKING:
+    from .engine import Pending
     from .runner import Prepared
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,11 @@ class Window:
     full: np.ndarray | None = None  # (len(uniq), model dimension), set by the engine thread
     embedded: int = 0  # unique texts the engine embedded (the rest came from the cache)
     tokens: int = 0
+    # while on the engine: which unique texts it embeds, how, and their vectors as they come
+    todo: np.ndarray | None = None
+    plan: RowPlan | None = None
+    pending: "Pending | None" = None
+    borrowed: list = field(default_factory=list)  # (unique index, earlier Window, its unique index)
 
 
 _END = object()  # no more work
@@ -113,7 +122,10 @@ class Pipeline:
         self.engine_seconds = 0.0
         self.input_wait_seconds = 0.0  # the engine thread waiting for a tokenised window
         self.output_wait_seconds = 0.0  # ... and for room in the writer's queue
-        self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens) of each engine call
+        self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens): busy spans, one per window
+        self._on_engine: deque[Window] = deque()  # windows with vectors still to come, oldest first
+        self._busy_since = 0.0
+        self._coming: dict[int, tuple[Window, int]] = {}  # text hash -> (window on the engine, unique index)
         # int8 / uint8: the output's calibration, made before any pipeline starts
         self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
 
@@ -212,37 +224,66 @@ class Pipeline:
             self.engine = engine
         return self.engine
 
-    def _embed_window(self, w: Window) -> None:
-        """Vectors for the window's unique texts: from the cache of recent ones, or from the engine."""
-        full = np.empty((len(w.uniq), self.p.model.dimension), dtype=np.float32)
-        cache = self.cache
-        todo = []
+    def _start_window(self, w: Window) -> None:
+        """Vectors for the window's unique texts from the cache of recent ones (or from a window
+        still on the engine that has the same text); the rest are queued on the engine, in
+        token-budget batch order, and come back in `_finish_window`."""
+        w.full = np.empty((len(w.uniq), self.p.model.dimension), dtype=np.float32)
+        cache, coming = self.cache, self._coming
+        todo, w.borrowed = [], []
         for i, h in enumerate(w.uniq.tolist()):
             v = cache.get(h) if cache is not None else None
-            if v is None:
-                todo.append(i)
-            else:
+            if v is not None:
                 cache.move_to_end(h)
-                full[i] = v
-        todo_idx = np.asarray(todo, dtype=np.int64)
-        if len(todo_idx):
-            engine = self._engine()
-            t0 = time.perf_counter()
-            # One call per window, rows in token-budget batch order: vLLM's scheduler then
-            # runs our batches as its steps back to back, without a Python round trip
-            # between batches (measured in notes/performance.md).
-            full[todo_idx] = embed_rows(engine, w.tok, todo_idx)
-            t1 = time.perf_counter()
-            w.tokens = int(w.tok.lengths[todo_idx].sum())
-            self.engine_seconds += t1 - t0
-            self.calls.append((t0, t1, w.tokens))
-            if cache is not None:
-                for i in todo:
-                    cache[int(w.uniq[i])] = full[i].copy()
-                while len(cache) > self.cache_rows:
-                    cache.popitem(last=False)
-        w.full = full
-        w.embedded = len(todo_idx)
+                w.full[i] = v
+            elif cache is not None and h in coming:
+                w.borrowed.append((i, *coming[h]))
+            else:
+                todo.append(i)
+                if cache is not None:
+                    coming[h] = (w, i)
+        w.todo = np.asarray(todo, dtype=np.int64)
+        w.embedded = len(todo)
+        if not todo:
+            return
+        engine = self._engine()
+        w.plan = plan_rows(w.tok, w.todo, engine.token_budget, engine.max_batch_rows)
+        w.tokens = int(w.tok.lengths[w.todo].sum())
+        if not self._on_engine:
+            self._busy_since = time.perf_counter()
+        w.pending = engine.submit(w.plan.seqs)
+        self._on_engine.append(w)
+
+    def _step(self) -> None:
+        """One engine step; then close the busy span of each window it finished."""
+        self.engine.step()
+        while self._on_engine and self._on_engine[0].pending.done:
+            w = self._on_engine.popleft()
+            t = time.perf_counter()
+            # (start, end, tokens): back to back while the engine has work, so they add up to its
+            # busy time; a window's tokens are counted in the span that ends with it
+            self.calls.append((self._busy_since, t, w.tokens))
+            self.engine_seconds += t - self._busy_since
+            self._busy_since = t
+
+    def _finish_window(self, w: Window) -> None:
+        """The window's vectors, once the engine has them all. Windows finish in order, so a
+        window borrowed from has finished before the one borrowing."""
+        if w.pending is not None:
+            w.full[w.todo] = w.plan.vectors(w.pending.matrix())
+        for i, src, j in w.borrowed:
+            w.full[i] = src.full[j]
+        cache, coming = self.cache, self._coming
+        if cache is not None:
+            for i in w.todo.tolist():
+                h = int(w.uniq[i])
+                cache[h] = w.full[i].copy()
+                if coming.get(h, (None,))[0] is w:
+                    del coming[h]
+            while len(cache) > self.cache_rows:
+                cache.popitem(last=False)
+        w.pending = w.plan = w.todo = None
+        w.borrowed = []
 
     def read_and_tokenise(self) -> None:
         try:
@@ -258,20 +299,47 @@ class Pipeline:
             self._fail(e)
 
     def run_engine(self) -> None:
+        """Items go out in the order they came in; up to `windows_in_flight` windows wait on the
+        engine meanwhile. The thread blocks on its input only when the engine has no work."""
+        depth = self.p.spec.engine.windows_in_flight
+        held: deque = deque()  # items taken, in order, not yet handed to the writer
+        ended = False
         while True:
-            t = time.perf_counter()
-            item = self._get(self.q_in)
-            if self.calls and item is not _END:  # waits before the first call overlap the engine's start
-                self.input_wait_seconds += time.perf_counter() - t
-            if item is _END:
+            while held and not (isinstance(held[0][1], pa.RecordBatch)
+                                and held[0][2].pending is not None and not held[0][2].pending.done):
+                item = held.popleft()
+                if isinstance(item[1], pa.RecordBatch):
+                    self._finish_window(item[2])
+                t = time.perf_counter()
+                if not self._put(self.q_out, item):
+                    return
+                self.output_wait_seconds += time.perf_counter() - t
+            if ended and not held:
                 self._put(self.q_out, _END)
                 return
-            if isinstance(item[1], pa.RecordBatch):
-                self._embed_window(item[2])
-            t = time.perf_counter()
-            if not self._put(self.q_out, item):
-                return
-            self.output_wait_seconds += time.perf_counter() - t
+            while not ended and len(self._on_engine) < depth:
+                if self._on_engine:
+                    try:
+                        item = self.q_in.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    t = time.perf_counter()
+                    item = self._get(self.q_in)
+                    if self.calls and item is not _END:  # waits before the first window overlap the engine's start
+                        self.input_wait_seconds += time.perf_counter() - t
+                if item is _END:
+                    ended = True
+                    break
+                if isinstance(item[1], pa.RecordBatch):
+                    self._start_window(item[2])
+                held.append(item)
+                if not self._on_engine:
+                    break  # nothing for the engine: hand this on before waiting for more
+            if self._on_engine:
+                if self.stop.is_set():
+                    return
+                self._step()
 
     def write(self) -> None:
         p = self.p
@@ -354,17 +422,20 @@ class Pipeline:
             self._fail(e)
         finally:
             engine_done = time.perf_counter()
+            if self.engine is not None:
+                self.engine.abort()  # after a failure: nothing of this run stays queued on a reused engine
+            self._on_engine.clear()
+            self._coming.clear()
             for t in threads:
                 t.join()
         if self.calls:
-            # Where an engine's idle time went: waiting for the reader/tokeniser, for the writer,
-            # or the engine thread's own work between calls (vector cache, turning outputs into
-            # a matrix). The next GPU measurement needs this split (notes/performance.md).
+            # Where an engine's time went: busy (sequences queued on it), or idle because this
+            # thread waited for the reader/tokeniser or did its own work (the writer's waits can
+            # fall in either).
             span = engine_done - self.calls[0][0]
-            waits = self.input_wait_seconds + self.output_wait_seconds
-            log.info("engine thread, from its first engine call to its end: %.1f s in %d calls, %.1f s "
-                     "waiting for tokenised windows, %.1f s for the writer, %.1f s of its own work",
-                     self.engine_seconds, len(self.calls), self.input_wait_seconds, self.output_wait_seconds,
-                     max(0.0, span - self.engine_seconds - waits))
+            log.info("engine thread, from its first window to its end (%.1f s): engine busy %.1f s over %d "
+                     "windows, idle %.1f s (of which %.1f s waiting for tokenised windows); %.1f s waiting "
+                     "for the writer", span, self.engine_seconds, len(self.calls),
+                     max(0.0, span - self.engine_seconds), self.input_wait_seconds, self.output_wait_seconds)
         if self.errors:
             raise self.errors[0]
