@@ -263,7 +263,10 @@ class Engine:
             if not out.finished:
                 continue
             # our ids are digits; newer vLLM may append "-<random>" to the id it reports
-            pending, i = self._slots.pop(out.request_id.split("-", 1)[0])
+            slot = self._slots.pop(out.request_id.split("-", 1)[0], None)
+            if slot is None:  # a request aborted after a failure, finished before the abort reached it
+                continue
+            pending, i = slot
             if getattr(out, "error", None) is not None:
                 self.abort()
                 raise RunError(f"engine failed a request ({len(out.prompt_token_ids)} tokens): {out.error}")

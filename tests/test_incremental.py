@@ -114,6 +114,10 @@ def test_identical_texts_are_embedded_once(tmp_path, engine):
     assert vecs[3] is None and vecs[0] == vecs[2] == vecs[4] == vecs[7] and vecs[1] == vecs[5]
     hashes = t.column("text_hash").to_pylist()
     assert hashes[3] is None and hashes[0] == hashes[2] != hashes[1]
+    # one window at a time on the engine (no borrowing from a window still in flight): the same
+    spec = make_job(tmp_path / "in.parquet", tmp_path / "one", engine={"sort_window_rows": 3, "windows_in_flight": 1})
+    assert run_job(spec, engine=engine, show_progress=False).embedded == 3
+    assert read_output(tmp_path / "one").column("embedding").to_pylist() == vecs
     # without the cache, only duplicates inside one window are folded
     spec = make_job(tmp_path / "in.parquet", tmp_path / "out2", engine={"sort_window_rows": 3, "dedup_cache_mb": 0})
     assert run_job(spec, engine=engine, show_progress=False).embedded > 3
