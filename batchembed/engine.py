@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -225,11 +225,6 @@ class Engine:
         self._slots: dict[str, tuple[Pending, int]] = {}  # request id -> (its submission, position)
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
 
-    @property
-    def busy(self) -> bool:
-        """Sequences submitted whose vectors have not come back yet."""
-        return bool(self._slots)
-
     def submit(self, token_ids: list[list[int]]) -> "Pending":
         """Queue sequences on the engine and return at once; `step` fills the result.
 
@@ -253,7 +248,8 @@ class Engine:
         return pending
 
     def step(self) -> None:
-        """Wait for one engine step and file its finished vectors. Only call while `busy`."""
+        """Wait for one engine step and file its finished vectors. Only call with sequences submitted
+        whose vectors have not all come back."""
         engine = self.llm.llm_engine
         if not engine.has_unfinished_requests():
             lost = len(self._slots)
@@ -318,18 +314,12 @@ class Engine:
         self.close()
 
 
-@dataclass
 class Pending:
     """The vectors of one `Engine.submit`, filled in as the engine finishes its sequences."""
 
-    rows: int
-    dimension: int
-    left: int = -1
-    _parts: list = field(default_factory=list, repr=False)
-
-    def __post_init__(self) -> None:
-        self.left = self.rows
-        self._parts = [None] * self.rows
+    def __init__(self, rows: int, dimension: int):
+        self.rows, self.dimension, self.left = rows, dimension, rows
+        self._parts: list = [None] * rows
 
     @property
     def done(self) -> bool:
@@ -348,4 +338,3 @@ class Pending:
         m = torch.stack(self._parts).to(torch.float32).cpu().numpy()
         self._parts = []
         return m
-

@@ -95,6 +95,12 @@ _RESET = "reset"  # the task is being read again from its start: drop what was w
 _FAILED = "failed"  # the task failed and on_error is skip: drop it, record why
 
 
+def _waiting(item) -> bool:
+    """An item is a window whose vectors are still on the engine (control items never wait)."""
+    w = item[2]
+    return isinstance(item[1], pa.RecordBatch) and w.pending is not None and not w.pending.done
+
+
 class Pipeline:
     """The three stages of one run, joined by bounded queues.
 
@@ -305,8 +311,7 @@ class Pipeline:
         held: deque = deque()  # items taken, in order, not yet handed to the writer
         ended = False
         while True:
-            while held and not (isinstance(held[0][1], pa.RecordBatch)
-                                and held[0][2].pending is not None and not held[0][2].pending.done):
+            while held and not _waiting(held[0]):
                 item = held.popleft()
                 if isinstance(item[1], pa.RecordBatch):
                     self._finish_window(item[2])
