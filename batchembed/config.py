@@ -117,9 +117,9 @@ class OutputSpec(_Strict):
 
 class EngineSpec(_Strict):
     token_budget: int | None = Field(None, ge=16, description="most tokens in one engine step; "
-                                     "default 8192 on CPU, 65536 on GPU")
+                                     "default 4096 on CPU, 65536 on GPU")
     max_batch_rows: int | None = Field(None, ge=1, description="most rows in one engine step; "
-                                       "default 512 on CPU, 4096 on GPU")
+                                       "default 256 on CPU, 4096 on GPU")
     sort_window_rows: int = Field(8192, ge=1, description="rows read, tokenised and length-sorted together")
     windows_in_flight: int = Field(2, ge=1, description="windows queued on the engine at once: with 2 it "
                                    "starts the next window while the last one's vectors are collected; 1 "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +35,11 @@ _CPU_MEMORY_SHARE = 0.1
 
 
 def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
-    # CPU: 4096-8192-token steps ran at 11.8k tok/s, 16384 at 9.7k (MiniLM, 2 cores; notes/performance.md).
-    budget = spec.token_budget or (8192 if on_cpu else 65536)
-    rows = spec.max_batch_rows or (512 if on_cpu else 4096)
+    # CPU: vLLM's own offline default. 4096-token steps were the fastest or level on both 2-core
+    # EPYCs measured (MiniLM: 11.8k tok/s as 8192 on avx512_bf16; float32 on AVX2, 3,769 vs 3,563
+    # engine-only and 3,883 vs ~3,100 batchembed; notes/performance.md).
+    budget = spec.token_budget or (4096 if on_cpu else 65536)
+    rows = spec.max_batch_rows or (256 if on_cpu else 4096)
     return max(budget, max_length), rows
 
 
@@ -183,6 +186,7 @@ class Engine:
         # few light threads, and on a 2-core machine that reserve halves throughput
         # (6.5k -> 11.5k tok/s measured, notes/performance.md). Ignored by GPU builds.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        t0 = time.perf_counter()
         from vllm import LLM, PoolingParams
         from vllm.platforms import current_platform
 
@@ -231,6 +235,7 @@ class Engine:
                  {k: v for k, v in args.items() if k != "tokenizer"})
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # read by the engine's processes as they start, in LLM()
+        t1 = time.perf_counter()
         try:
             self.llm = LLM(**args)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
@@ -241,6 +246,10 @@ class Engine:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        # where start-up goes: the import is paid once per process, the build (engine process,
+        # weights, compile or its cache, CUDA graphs) once per engine
+        log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s", replica + 1, replicas, t1 - t0,
+                 time.perf_counter() - t1)
         if self.on_cpu:
             _one_front_end_thread(self.llm)
         self._params = PoolingParams(task="embed")

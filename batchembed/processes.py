@@ -92,7 +92,7 @@ def _isolate(replica: int, workdir: str) -> None:
 
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, tasks_q, results_q,
-            start_lock, stop) -> None:
+            start_lock, stop, spawned_at: float) -> None:
     _die_with_parent()
     _isolate(replica, os.path.dirname(start_lock))
     setup_logging(log_level, as_json, engine=replica)
@@ -106,6 +106,8 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
         started: list = []
 
         def factory():
+            log.info("engine process %d: %.1f s from spawn to its engine's start (interpreter, imports, plan, "
+                     "tokenizer)", replica, time.time() - spawned_at)
             t0 = time.perf_counter()
             with open(start_lock, "rb") as f:
                 if os.environ.get(SERIAL_START_ENV):
@@ -154,8 +156,10 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
         tasks_q.put(None)
     spec = p.spec.model_dump(mode="json")
     level = logging.getLogger("batchembed").getEffectiveLevel()
-    workers = [ctx.Process(target=_worker, args=(spec, i, replicas, level, json_logging(), tasks_q, results_q, start_lock, stop),
-                           name=f"batchembed-engine-{i}", daemon=False) for i in range(replicas)]
+    workers = [ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
+                           args=(spec, i, replicas, level, json_logging(), tasks_q, results_q, start_lock, stop,
+                                 time.time()))
+               for i in range(replicas)]
     result = RunResult()
     calls, busy, starts = [], [], []
     t0 = time.perf_counter()
