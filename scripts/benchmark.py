@@ -81,6 +81,8 @@ def variant_a(args) -> dict:
     from batchembed.tokenizer import Tokenizer
 
     m = model_info()
+    if _on_cpu():  # as batchembed has it on CPU: the tokenizers' thread pool slowed the engine here
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = Tokenizer(m.path, m.max_length)(texts_of(args.corpus))
     llm = make_llm(m.path, args.dtype, m.max_length)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in tok.ids]
