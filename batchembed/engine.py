@@ -97,8 +97,9 @@ def _quiet_front_end(llm) -> None:
     - Hugging Face tokenizers' Rust thread pool (batch encoding): 3,714 vs 4,311 tok/s, and the
       same for bare `LLM.encode` with our token ids (3,859 vs 4,619).
     One tokenising thread keeps ahead of a CPU engine (the engine thread waited 0.0 s for
-    tokenised windows in those runs). A TOKENIZERS_PARALLELISM set by the user is kept. With the engine in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) the threads are the engine's own and are left alone."""
+    tokenised windows in those runs). A TOKENIZERS_PARALLELISM set by the user is kept. With
+    the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the threads are the
+    engine's own and are left alone."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None or type(core).__name__ == "InprocClient":
         return
