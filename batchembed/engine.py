@@ -35,9 +35,10 @@ _CPU_MEMORY_SHARE = 0.1
 
 
 def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
-    # CPU: vLLM's own offline default. 4096-token steps were the fastest or level on both 2-core
-    # EPYCs measured (MiniLM: 11.8k tok/s as 8192 on avx512_bf16; float32 on AVX2, 3,769 vs 3,563
-    # engine-only and 3,883 vs ~3,100 batchembed; notes/performance.md).
+    # CPU: vLLM's own offline default. 4096-token steps were the fastest or level on the three
+    # 2-core CPUs measured (MiniLM: 11.8k tok/s as 8192 on an avx512_bf16 EPYC; float32 on an AVX2
+    # EPYC, 3,769 vs 3,563 engine-only and 3,883 vs ~3,100 batchembed; bf16 on an AMX Xeon,
+    # level with 8192 within its +-10 % noise; notes/performance.md).
     budget = spec.token_budget or (4096 if on_cpu else 65536)
     rows = spec.max_batch_rows or (256 if on_cpu else 4096)
     return max(budget, max_length), rows
@@ -219,7 +220,8 @@ class Engine:
             max_num_batched_tokens=self.token_budget,
             max_num_seqs=self.max_batch_rows,
             # Compiled on a GPU: +15 % for Qwen3-0.6B shape @ 512 (notes/performance.md), its
-            # ~20 s compile cached by vLLM for the next run; eager on CPU, where compiling is slow.
+            # ~20 s compile cached by vLLM for the next run; eager on CPU, where compiled was level or
+            # slower and started 48 s later (MiniLM bf16, AMX Xeon).
             enforce_eager=self.on_cpu if spec.enforce_eager is None else spec.enforce_eager,
             gpu_memory_utilization=memory_share,
             seed=0,
