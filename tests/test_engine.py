@@ -19,3 +19,23 @@ def test_cpu_front_end_leaves_the_cores_to_the_engine(engine):
     # and the engine still embeds
     v = engine.embed([[101, 7592, 2088, 102]])
     assert v.shape == (1, engine.dimension)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_pipeline_threads_are_named_in_the_os():
+    # so `top -H` and scripts/thread_cpu.py can tell the reader and writer from the engine thread
+    import threading
+
+    from batchembed.pipeline import name_os_thread
+
+    seen = {}
+
+    def body():
+        name_os_thread()
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            seen["comm"] = f.read().strip()
+
+    t = threading.Thread(target=body, name="batchembed-write")
+    t.start()
+    t.join()
+    assert seen["comm"] == "batchembed-writ"  # Linux keeps 15 characters
