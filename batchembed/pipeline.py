@@ -360,12 +360,12 @@ class Pipeline:
                 self._step()
 
     def write(self) -> None:
+        name_os_thread()
         p = self.p
         keep = [c for c in dict.fromkeys([p.spec.input.id_column, *p.spec.input.carry_columns]) if c]
         width = histogram_bin_width(p.max_length)
         writer: PartWriter | None = None
         counts: dict[str, int] = {}
-        name_os_thread()
         try:
             while True:
                 item = self._get(self.q_out)

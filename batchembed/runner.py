@@ -326,7 +326,7 @@ def _reporter(bar):
 
     def progress(step: dict) -> None:
         nonlocal tokens
-        with lock:  # several pipelines report from their writer threads
+        with lock:  # called from a writer or supervisor thread, not the one that made the bar
             tokens += step["tokens"]
             bar.update(step["rows"])
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tok/s", refresh=False)
@@ -345,35 +345,29 @@ def _run_local(p: Prepared, engine, pending: list[Task], progress) -> RunResult:
         return run_in_processes(p, pending, progress, replicas)
     result = RunResult()
     started: list = []
-    lock = threading.Lock()
 
-    def factory(i: int):
-        def make():
-            if engine is not None:
-                return engine
-            t0 = time.perf_counter()
-            e = make_engine(p, i, replicas)
-            try:
-                fidelity.ensure(p, e)  # part of start-up, timed with it
-            except BaseException:
-                e.close()
-                raise
-            with lock:
-                started.append(e)
-                result.engine_start_seconds = max(result.engine_start_seconds, time.perf_counter() - t0)
-            return e
-
-        return make
+    def make():
+        if engine is not None:
+            return engine
+        t0 = time.perf_counter()
+        e = make_engine(p)
+        try:
+            fidelity.ensure(p, e)  # part of start-up, timed with it
+        except BaseException:
+            e.close()
+            raise
+        started.append(e)
+        result.engine_start_seconds = time.perf_counter() - t0
+        return e
 
     task_queue: queue.Queue = queue.Queue()
     for t in pending:
         task_queue.put(t)
-    stop = threading.Event()
-    pipelines = [Pipeline(p, factory(i), task_queue, progress, stop) for i in range(replicas if pending else 0)]
+    pipelines = [Pipeline(p, make, task_queue, progress)] if pending else []  # several engines: processes
     t0 = time.perf_counter()
     try:
-        if pipelines:
-            _run_all(pipelines)
+        for pl in pipelines:
+            pl.run()
     finally:
         result.pipeline_seconds = time.perf_counter() - t0 - result.engine_start_seconds
         for e in started:
@@ -428,28 +422,6 @@ def throughput(calls: list[list[tuple[float, float, int]]], slices: int = 60) ->
             lo, hi = max(t0, start + i * width), min(t1, start + (i + 1) * width)
             tokens[i] += n * max(0.0, hi - lo) / (t1 - t0)
     return [[round((i + 0.5) * width, 2), round(float(tokens[i] / width), 1)] for i in range(slices)]
-
-
-def _run_all(pipelines: list[Pipeline]) -> None:
-    """Run the pipelines, one per engine, each in its own thread (the first in this one)."""
-    errors: list[BaseException] = []
-
-    def run(pl: Pipeline) -> None:
-        try:
-            pl.run()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            pl.stop.set()  # shared: the other pipelines stop too
-
-    threads = [threading.Thread(target=run, args=(pl,), name=f"batchembed-engine-{i}", daemon=True)
-               for i, pl in enumerate(pipelines[1:], 1)]
-    for t in threads:
-        t.start()
-    run(pipelines[0])
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: bool = True) -> Stats:
