@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from helpers import make_job, write_parquet
 
 from batchembed.errors import RunError
+from batchembed.fidelity import cosines
 from batchembed.runner import make_engine, prepare, run_job
 
 TEXTS = [f"row {i} is about {'cats' if i % 2 else 'the stock market'} and more" for i in range(20)]
+
+
+def test_cosine_is_a_cosine_whatever_the_norms():
+    """bf16 vectors come back with norms a little off 1: the check must not read that as agreement."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(4, 8))
+    b = a + 0.1 * rng.normal(size=(4, 8))
+    scaled = cosines(a * 1.003, b * 1.002)
+    assert np.allclose(scaled, cosines(a, b)) and (scaled <= 1).all()
+    assert np.allclose(cosines(a, a * 5), 1) and np.allclose(cosines(a, -a), -1)
+    assert cosines(np.zeros((1, 3)), np.ones((1, 3)))[0] == 0  # a zero vector: no NaN
 
 
 def test_agreeing_engine_passes_and_is_recorded(tmp_path, engine):
