@@ -132,9 +132,10 @@ class EngineSpec(_Strict):
                                        "start compiles for ~20 s, vLLM caches it), eager on CPU")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
-    dedup_cache_mb: int = Field(256, ge=0, description="recent vectors kept by text hash, so a text seen "
+    dedup_cache_mb: int = Field(64, ge=0, description="recent vectors kept by text hash, so a text seen "
                                 "again is not embedded again (identical texts in one window always are "
-                                "embedded once); 0 turns the cache off")
+                                "embedded once); the one part of the run's memory that grows with the "
+                                "corpus, up to this bound; 0 turns the cache off")
 
 
 class RetrySpec(_Strict):

@@ -124,6 +124,30 @@ def test_identical_texts_are_embedded_once(tmp_path, engine):
     assert pq.read_table(next((tmp_path / "out2").glob("part-*"))).column("embedding").to_pylist()[7] == vecs[7]
 
 
+def test_the_dedup_cache_is_bounded(tmp_path, engine):
+    """engine.dedup_cache_mb bounds the one structure that grows with the corpus: past the bound the
+    oldest vectors go, so a text seen long ago is embedded again and a recent one is not."""
+    from batchembed.pipeline import CACHE_ENTRY_OVERHEAD
+
+    kept = 2**20 // (4 * 384 + CACHE_ENTRY_OVERHEAD)  # 1 MB of MiniLM vectors: 585
+    distinct = 700  # windows of 100: with two in flight, the last window starts once the first 6 are
+    # in the cache (600 > 585: the first text has gone) and the 7th is cached or still on the engine
+    assert distinct - 100 > kept
+    texts = [f"distinct text number {i}" for i in range(distinct)]
+    texts += [texts[0], texts[-1]]  # the first (evicted by now) and the last (recent)
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(len(texts))), "text": texts})
+    small = make_job(tmp_path / "in.parquet", tmp_path / "small", engine={"sort_window_rows": 100, "dedup_cache_mb": 1})
+    stats = run_job(small, engine=engine, show_progress=False)
+    assert (stats.embedded, stats.deduplicated) == (distinct + 1, 1)
+    roomy = make_job(tmp_path / "in.parquet", tmp_path / "roomy", engine={"sort_window_rows": 100})
+    stats = run_job(roomy, engine=engine, show_progress=False)
+    assert (stats.embedded, stats.deduplicated) == (distinct, 2)
+    a, b = read_output(tmp_path / "small"), read_output(tmp_path / "roomy")
+    va, vb = (np.array(t.column("embedding").to_pylist()) for t in (a, b))
+    assert np.allclose(va, vb, atol=1e-6)  # the same vectors either way
+    assert np.array_equal(vb[-2], vb[0]) and np.allclose(va[-2], va[0], atol=1e-6)
+
+
 def test_bad_incremental_settings_are_job_errors(tmp_path, engine):
     _corpus(tmp_path / "in", files=1, rows=5)
     with pytest.raises(JobError, match="no manifest.json at .*nothing"):
