@@ -1,7 +1,7 @@
 # Quick start: `make demo` then `make test`. Both set up .venv first if needed.
 PY := .venv/bin/python
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint clean
 setup:
 	@scripts/setup.sh
 
@@ -11,6 +11,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff, and the layering in pyproject.toml ([tool.importlinter]): no module imports one above it
+lint: setup
+	.venv/bin/ruff check batchembed tests scripts jobs
+	.venv/bin/lint-imports
 
 clean:
 	rm -rf out .pytest_cache

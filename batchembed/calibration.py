@@ -21,19 +21,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .embed.batcher import embed_rows
+from .embed.matryoshka import reduce
 from .errors import RunError
-from .matryoshka import reduce
-from .reader import first_texts
-from .batcher import embed_rows
-from .storage import read_json, write_json_atomic
-from .tokenizer import make_tokenizer
+from .output.layout import CALIBRATION
 
 if TYPE_CHECKING:
-    from .runner import Prepared
+    from .job import Prepared
 
 log = logging.getLogger(__name__)
-
-CALIBRATION = "_calibration.json"
 
 
 @dataclass(frozen=True)
@@ -43,20 +39,6 @@ class Calibration:
     digest: str
 
 
-def quantize(matrix: np.ndarray, ranges: np.ndarray, dtype: str) -> np.ndarray:
-    """sentence-transformers' scalar quantisation: 255 steps between each dimension's min and max,
-    values outside the calibration range clipped to its ends."""
-    starts = ranges[0]
-    steps = (ranges[1] - starts) / 255
-    steps = np.where(steps == 0, 1, steps)
-    q = np.clip(np.floor((matrix - starts) / steps), 0, 255)
-    return (q - 128).astype(np.int8) if dtype == "int8" else q.astype(np.uint8)
-
-
-def _path(p: Prepared) -> str:
-    return f"{p.out_root}/{CALIBRATION}"
-
-
 def _parse(obj: dict) -> Calibration:
     ranges = {int(d): np.asarray(r, dtype=np.float32) for d, r in obj["ranges"].items()}
     return Calibration(ranges, int(obj["rows"]), obj["digest"])
@@ -64,7 +46,7 @@ def _parse(obj: dict) -> Calibration:
 
 def load(p: Prepared) -> Calibration | None:
     """The output's calibration, if one was made for this job."""
-    obj = read_json(p.out_fs, _path(p))
+    obj = p.out.read_json(CALIBRATION)
     if not obj or obj.get("job") != p.fingerprint.digest:
         return None
     return _parse(obj)
@@ -73,7 +55,7 @@ def load(p: Prepared) -> Calibration | None:
 def require(p: Prepared) -> Calibration:
     c = load(p)
     if c is None:
-        raise RunError(f"{_path(p)} is missing: int8/uint8 parts need the output's calibration, made "
+        raise RunError(f"{p.out.url_of(CALIBRATION)} is missing: int8/uint8 parts need the output's calibration, made "
                        "at the start of the run")
     return c
 
@@ -84,14 +66,14 @@ def ensure(p: Prepared, engine) -> Calibration:
     if c is not None:
         return c
     want = p.spec.embedding.calibration_rows
-    texts = first_texts(p, want)
+    texts = p.first_texts(want)
     if len(texts) < 2:
         raise RunError(f"embedding.output_dtype {p.spec.embedding.output_dtype}: the input has "
                        f"{len(texts)} non-null text(s), too few to calibrate ranges")
     if len(texts) < 100:
         log.warning("int8 calibration from only %d rows; ranges are more stable from more", len(texts))
     log.info("calibrating %s ranges from the first %d rows", p.spec.embedding.output_dtype, len(texts))
-    tok = make_tokenizer(p)(texts)
+    tok = p.tokenizer()(texts)
     full = embed_rows(engine, tok, np.arange(len(texts)))
     reduced = reduce(full, p.dimensions)
     ranges = {d: np.vstack((m.min(axis=0), m.max(axis=0))).astype(np.float32) for d, m in reduced.items()}
@@ -101,7 +83,7 @@ def ensure(p: Prepared, engine) -> Calibration:
     again = load(p)
     if again is not None:
         return again
-    write_json_atomic(p.out_fs, _path(p), {**body, "digest": digest, "job": p.fingerprint.digest,
+    p.out.write_json(CALIBRATION, {**body, "digest": digest, "job": p.fingerprint.digest,
                                            "precision": p.spec.embedding.output_dtype,
-                                           "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+                                           "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")})
     return require(p)

@@ -1,4 +1,4 @@
-"""`batchembed`: the command line. Commands are thin; the work lives in runner.py.
+"""`batchembed`: the command line. Commands are thin; a run lives in run.py, the tools in tools/.
 
 Exit codes: 0 done; 1 the run failed; 2 the job or the command line is invalid
 (nothing was started).
@@ -78,7 +78,7 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
       batchembed run job.yaml --shard 3/16     # one of 16 Airflow tasks
       batchembed run job.yaml --set output.uri=s3://b/emb/2026-12-02/ --previous s3://b/emb/2026-12-01/
     """
-    from .runner import run_job
+    from .run import run_job
 
     extra = [*([f"shard={shard}"] if shard else []), *([f"incremental.previous={previous}"] if previous else [])]
     spec = _load(job_file, [*overrides, *extra])
@@ -103,7 +103,7 @@ def validate(job_file, overrides):
     \b
       batchembed validate jobs/quickstart.yaml
     """
-    from .runner import prepare
+    from .job import prepare
 
     p = prepare(_load(job_file, overrides), all_problems=True)
     click.echo(f"ok: {p.spec.name}: model {p.model.path} (dim {p.model.dimension}, max_length {p.max_length}), "
@@ -120,11 +120,11 @@ def plan(job_file, overrides, as_json):
     \b
       batchembed plan jobs/quickstart.yaml
     """
-    from .runner import estimate_tokens, output_state, prepare
+    from .job import estimate_tokens, prepare
 
     p = prepare(_load(job_file, overrides))
     try:
-        state = output_state(p)
+        state = p.out.state(p.tasks, p.fingerprint.with_digest(), p.failed)
         refused = None
     except JobError as e:
         state, refused = None, str(e)
@@ -163,7 +163,7 @@ def finalize(job_file, overrides):
     \b
       batchembed finalize job.yaml
     """
-    from .runner import finalize_job
+    from .run import finalize_job
 
     spec = _load(job_file, overrides)
     stats = finalize_job(spec)
@@ -195,7 +195,7 @@ def inspect(output_uri, options, as_json):
       batchembed inspect out/quickstart-emb/
       batchembed inspect s3://corpus/wiki-emb/ --json
     """
-    from .inspect_output import inspect_output, render
+    from .tools.inspect import inspect_output, render
 
     info = inspect_output(output_uri, _storage_options(options))
     click.echo(json.dumps(info, indent=2, default=str) if as_json else render(info))
@@ -214,7 +214,7 @@ def verify(output_uri, options, as_json):
       batchembed verify out/quickstart-emb/
       batchembed verify s3://corpus/wiki-emb/ --storage-option endpoint_url=http://127.0.0.1:8333
     """
-    from .verify import verify_output
+    from .tools.verify import verify_output
 
     problems, summary = verify_output(output_uri, _storage_options(options))
     if as_json:
@@ -248,7 +248,7 @@ def report(output_or_job, options, out_path, sample_rows):
       batchembed report out/quickstart-emb/ -o report.html
       batchembed report jobs/quickstart.yaml
     """
-    from .report import build_report
+    from .tools.report import build_report
 
     uri, storage = output_or_job, _storage_options(options)
     if output_or_job.endswith((".yaml", ".yml")):

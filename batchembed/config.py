@@ -25,6 +25,7 @@ class _Strict(BaseModel):
 
 class InputSpec(_Strict):
     uri: str = Field(description="fsspec URL of a Parquet file, a directory or a glob")
+    format: str = Field("parquet", description="the input format (inputs/__init__.py lists them)")
     text_column: str = "text"
     text_sql: str | None = Field(None, description="the text as a polars SQL expression over the input "
                                  "columns instead of text_column, e.g. title || '\\n\\n' || body")
@@ -110,6 +111,7 @@ class EmbeddingSpec(_Strict):
 
 class OutputSpec(_Strict):
     uri: str = Field(description="fsspec directory for the parts, manifest.json and _SUCCESS")
+    format: str = Field("parquet", description="the output format (output/__init__.py lists them)")
     storage_options: dict[str, Any] = {}
     rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")
     compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = "zstd"
@@ -128,8 +130,8 @@ class EngineSpec(_Strict):
                                "GPU, or several on one GPU (small models: one engine's Python front end is "
                                "the limit), or one per slice of the CPU cores")
     enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: "
-                                       "compiled on a GPU (Qwen3-0.6B shape @ 512 tokens +15 %; the first "
-                                       "start compiles for ~20 s, vLLM caches it), eager on CPU")
+                                       "compiled on a GPU (the first start compiles, vLLM caches it), "
+                                       "eager on CPU")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
     dedup_cache_mb: int = Field(64, ge=0, description="recent vectors kept by text hash, so a text seen "

@@ -19,28 +19,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .embed.tokenizer import Tokenizer
 from .errors import RunError
-from .reader import first_texts
-from .storage import read_json, write_json_atomic
-from .tokenizer import Tokenizer
+from .output.layout import FIDELITY
 
 if TYPE_CHECKING:
-    from .runner import Prepared
+    from .job import Prepared
 
 log = logging.getLogger(__name__)
-
-FIDELITY = "_fidelity.json"
 SAMPLE_ROWS = 16
 MAX_REFERENCE_BYTES = 4 * 2**30  # weights loaded on CPU beside the engine for the check
 
 
-def _path(p: Prepared) -> str:
-    return f"{p.out_root}/{FIDELITY}"
-
-
 def recorded(p: Prepared) -> dict | None:
     """The check's result for this job, if a run of it made one."""
-    obj = read_json(p.out_fs, _path(p))
+    obj = p.out.read_json(FIDELITY)
     return obj if obj and obj.get("job") == p.fingerprint.digest else None
 
 
@@ -87,10 +80,10 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def check(p: Prepared, engine) -> dict:
     """Run the check (or record why it was skipped); raise RunError when the two disagree."""
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine}
     reason = _skip_reason(p)
-    texts = first_texts(p, SAMPLE_ROWS) if reason is None else []
+    texts = p.first_texts(SAMPLE_ROWS) if reason is None else []
     if reason is None and not texts:
         reason = "the input has no non-null text"
     if reason is not None:
@@ -121,5 +114,5 @@ def check(p: Prepared, engine) -> dict:
         raise RunError(f"fidelity check failed for {p.model.path}: {result['reason']}. The engine may pool "
                        "differently, skip a module or a default prompt of the model; nothing was written. "
                        "Set fidelity_check: off to run anyway")
-    write_json_atomic(p.out_fs, _path(p), result)
+    p.out.write_json(FIDELITY, result)
     return result

@@ -13,14 +13,14 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from .errors import JobError, RunError
 
 log = logging.getLogger(__name__)
 
-_GLOB_CHARS = set("*?[")
 T = TypeVar("T")
 
 
@@ -34,7 +34,7 @@ class RetryPolicy:
         return min(self.backoff_s * 2 ** (attempt - 1), 30.0)
 
 
-# Set once per run from the job's `retry` section (runner.run_job).
+# Set once per run from the job's `retry` section (job.prepare).
 policy = RetryPolicy()
 
 
@@ -96,36 +96,6 @@ def is_local(fs) -> bool:
 def full_url(fs, path: str) -> str:
     """A path as a URL a user can paste (s3://bucket/key, or a local path)."""
     return path if is_local(fs) else fs.unstrip_protocol(path)
-
-
-def static_prefix(path: str) -> str:
-    """The folder part of an input path before any glob character (the root of part names)."""
-    cut = min((path.index(c) for c in _GLOB_CHARS if c in path), default=None)
-    return path[:cut].rsplit("/", 1)[0] if cut is not None else path
-
-
-def list_parquet_files(uri: str, storage_options: dict[str, Any]) -> tuple[Any, str, list[str]]:
-    """(filesystem, root, sorted Parquet files) under a file, directory or glob URL."""
-    fs, path = open_fs(uri, storage_options, "input.uri")
-    path = path.rstrip("/") or "/"
-
-    def listing() -> tuple[str, list[str]]:
-        if _GLOB_CHARS & set(path):
-            return static_prefix(path), [p for p in fs.glob(path) if fs.isfile(p)]
-        if fs.isdir(path):
-            return path, [p for p in fs.find(path) if p.endswith(".parquet")
-                          and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/"))]
-        if fs.exists(path):
-            return path.rsplit("/", 1)[0], [path]
-        return path, []
-
-    try:
-        root, files = retry(listing, uri)
-    except (FileNotFoundError, PermissionError) as e:
-        raise JobError(f"input.uri: {uri}: {e}") from None
-    if not files:
-        raise JobError(f"input.uri: no Parquet files at {uri}")
-    return fs, root, sorted(files)
 
 
 def fingerprint(fs, path: str) -> dict[str, Any]:

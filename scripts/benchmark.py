@@ -61,7 +61,7 @@ def make_llm(path, dtype, max_len, **kw):
 
     if _on_cpu():  # ... and the same environment for the engine's processes (TCMalloc, oneDNN cache)
         sys.path.insert(0, str(ROOT))
-        from batchembed.engine import cpu_engine_env
+        from batchembed.embed.engine import cpu_engine_env
 
         cpu_engine_env()
 
@@ -84,7 +84,7 @@ def variant_a(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     sys.path.insert(0, str(ROOT))
-    from batchembed.tokenizer import Tokenizer
+    from batchembed.embed.tokenizer import Tokenizer
 
     m = model_info()
     if _on_cpu():  # as batchembed has it on CPU: the tokenizers' thread pool slowed the engine here

@@ -66,9 +66,9 @@ def main() -> int:
 
     import numpy as np
 
-    from batchembed.batcher import embed_rows
     from batchembed.config import EngineSpec
-    from batchembed.engine import Engine
+    from batchembed.embed.batcher import embed_rows
+    from batchembed.embed.engine import Engine
     from batchembed.model import read_model_info
 
     m = read_model_info(args.model)
@@ -84,7 +84,7 @@ def main() -> int:
     else:
         import pyarrow.parquet as pq
 
-        from batchembed.tokenizer import Tokenizer
+        from batchembed.embed.tokenizer import Tokenizer
 
         texts = pq.read_table(args.corpus, columns=["text"]).column("text").to_pylist()[: args.rows]
         tok = Tokenizer(m.path, m.max_length)(texts)

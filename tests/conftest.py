@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+
 import pytest
 
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -23,7 +24,7 @@ def model_info():
 def engine(model_info):
     """The one engine of the test session: float32, so vectors can be compared tightly."""
     from batchembed.config import EngineSpec
-    from batchembed.engine import Engine
+    from batchembed.embed.engine import Engine
 
     eng = Engine(model_info, "float32", model_info.max_length, EngineSpec())
     yield eng

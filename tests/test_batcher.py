@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from batchembed.batcher import token_budget_batches
+from batchembed.embed.batcher import token_budget_batches
 
 
 @pytest.mark.parametrize("seed", range(5))

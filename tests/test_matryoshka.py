@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from batchembed.matryoshka import column_names, l2_normalise, reduce
+from batchembed.embed.matryoshka import column_names, l2_normalise, reduce
 
 
 def test_truncate_then_renormalise():

@@ -51,7 +51,7 @@ def test_kv_cache_size_for_gpu_engines_from_the_model_config(tmp_path, model_inf
     that config leaves out (kv heads = heads, head dim = hidden / heads)."""
     import json
 
-    from batchembed.engine import kv_cache_bytes
+    from batchembed.embed.engine import kv_cache_bytes
 
     # MiniLM: 6 layers, 12 heads of 32 (hidden 384), bf16
     assert kv_cache_bytes(model_info, "bfloat16", 1000) == 6 * 2 * 12 * 32 * 2 * 1000

@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import make_job, write_parquet
 
-from batchembed.runner import run_job
+from batchembed.run import run_job
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

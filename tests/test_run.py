@@ -9,10 +9,10 @@ import pyarrow as pa
 import pytest
 from helpers import SENTENCES, make_job, read_output, write_parquet
 
+from batchembed.embed.matryoshka import l2_normalise
+from batchembed.embed.tokenizer import Tokenizer
 from batchembed.errors import JobError
-from batchembed.matryoshka import l2_normalise
-from batchembed.runner import run_job
-from batchembed.tokenizer import Tokenizer
+from batchembed.run import run_job
 
 
 def vectors(table: pa.Table, column: str) -> np.ndarray:
@@ -159,7 +159,7 @@ def test_output_of_a_different_job_is_not_mixed(tmp_path, engine):
 
 
 def test_verify_finds_a_tampered_output(tmp_path, engine):
-    from batchembed.verify import verify_output
+    from batchembed.tools.verify import verify_output
 
     write_parquet(tmp_path / "in.parquet", {"id": [1, 2, 3], "text": ["a", "b", "c"]})
     run_job(make_job(tmp_path / "in.parquet", tmp_path / "out"), engine=engine, show_progress=False)
@@ -177,7 +177,7 @@ def test_verify_finds_a_tampered_output(tmp_path, engine):
 
 def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
     from batchembed.errors import RunError
-    from batchembed.runner import finalize_job
+    from batchembed.run import finalize_job
 
     for k in range(6):
         write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": [k * 10 + i for i in range(4)],
@@ -200,8 +200,11 @@ def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
 
 
 def test_ray_executor_on_a_local_ray(tmp_path, st_model):
-    """executor: ray, one engine actor on a local Ray instance: same rows, same vectors, same commits."""
+    """executor: ray, one engine actor on a local Ray instance: same rows, same vectors, same commits;
+    the actor keeps one pipeline, so a text of the first part is not embedded again in the second,
+    and it reports its engine's throughput like the other executors."""
     texts = [f"ray row {i} " + "actors embed parts " * (i % 5 + 1) for i in range(40)]
+    texts[25] = texts[3]  # the second part repeats a text of the first
     for k in range(2):
         write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 20, k * 20 + 20)),
                                                           "text": texts[k * 20:(k + 1) * 20]})
@@ -209,6 +212,9 @@ def test_ray_executor_on_a_local_ray(tmp_path, st_model):
                     ray={"engines": 1, "num_cpus_per_engine": 1})
     stats = run_job(spec, show_progress=False)
     assert stats.tasks_run == 2 and stats.engines == 1 and stats.rows == 40
+    assert (stats.embedded, stats.deduplicated) == (39, 1)
+    assert stats.steady_tokens_per_s and stats.engine_seconds > 0 and stats.engine_start_seconds > 0
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["last_run"]["throughput"]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(40))
     ref = st_model.encode(texts, normalize_embeddings=True)

@@ -19,8 +19,8 @@ from helpers import job_dict
 
 from batchembed.config import JobSpec
 from batchembed.errors import RunError
-from batchembed.runner import run_job
-from batchembed.verify import verify_output
+from batchembed.run import run_job
+from batchembed.tools.verify import verify_output
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 

@@ -11,8 +11,8 @@ import numpy as np
 import yaml
 from helpers import job_dict, make_job, read_output, write_parquet
 
-from batchembed.runner import run_job
-from batchembed.verify import verify_output
+from batchembed.run import run_job
+from batchembed.tools.verify import verify_output
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 TEXTS = [f"sentence number {i} about {'cats' if i % 2 else 'the stock market'} and more" for i in range(40)]

@@ -13,8 +13,8 @@ import yaml
 from helpers import job_dict, make_job, read_output, write_parquet
 
 from batchembed.errors import JobError
-from batchembed.runner import run_job
-from batchembed.verify import verify_output
+from batchembed.run import run_job
+from batchembed.tools.verify import verify_output
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 

@@ -2,7 +2,7 @@
 
 from helpers import SENTENCES
 
-from batchembed.tokenizer import Tokenizer
+from batchembed.embed.tokenizer import Tokenizer
 
 
 def test_matches_sentence_transformers_including_truncation(model_info, st_model):

@@ -22,29 +22,29 @@ embedded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from .embed.matryoshka import l2_normalise
+from .embed.vectors import PACKED, SCALAR, vector_matrix
 from .errors import JobError, RunError
-from .matryoshka import l2_normalise
-from .storage import full_url, is_local, is_transient, open_fs, put_file_atomic, read_json, retry
-from .writer import PACKED, SCALAR, vector_matrix, write_commit
+from .output.layout import LAYOUT, MANIFEST, OutputFolder
+from .output.records import copied_record
+from .storage import is_transient, retry
 
 if TYPE_CHECKING:
-    from .plan import JobFingerprint, Task
+    from .plan import Task
 
 log = logging.getLogger(__name__)
 
-TEXT_HASH = "text_hash"
-LAYOUT = 2  # output layout version: 2 added text_hash
+TEXT_HASH = "text_hash"  # uint64 hash of each row's text, written beside its vectors
 
 
 def _hash64(data: bytes) -> bytes:
@@ -75,8 +75,7 @@ class Previous:
     """A previous output, and whether (and how) its vectors can be reused."""
 
     uri: str
-    fs: Any
-    root: str
+    folder: OutputFolder
     manifest: dict
     usable: bool
     reason: str | None  # why reuse is refused
@@ -93,36 +92,35 @@ class Previous:
 
     def parts_of(self, task: Task) -> list[str]:
         """Its parts made from the same input file as `task`."""
-        prefix = task.part_name[: task.part_name.rindex("-rg") + 3]
+        prefix = task.part_id[: task.part_id.rindex("-rg") + 3]
         return sorted(n for n in self.parts if n.startswith(prefix))
 
     def copyable(self, task: Task) -> dict | None:
         """Its manifest entry for `task`'s part when that part can be copied unchanged."""
-        entry = self.parts.get(task.part_name)
+        entry = self.parts.get(self.folder.part_name(task))
         if (self.usable and self.same_job and entry and entry.get("input") == task.input_fingerprint
                 and entry.get("rows") == task.num_rows and "counts" in entry):
             return entry
         return None
 
 
-def open_previous(uri: str, storage_options: dict, fp: JobFingerprint, id_column: str | None,
-                  out_url: str) -> Previous:
-    """Read a previous output's manifest and decide whether its vectors can be reused.
+def open_previous(uri: str, storage_options: dict, fp, id_column: str | None, out_url: str) -> Previous:
+    """Read a previous output's manifest and decide whether its vectors can be reused by a job of
+    fingerprint `fp` (job.JobFingerprint).
 
     A missing or unreadable manifest is a JobError (exit 2); an incompatible job is not
     an error: reuse is refused with the reason, and every row is embedded.
     """
     if not id_column:
         raise JobError("incremental.previous: needs input.id_column, since rows are matched by id")
-    fs, root = open_fs(uri, storage_options, "incremental.previous")
-    root = root.rstrip("/")
-    url = full_url(fs, root)
+    folder = OutputFolder.open(uri, storage_options, key="incremental.previous")
+    url = folder.url
     if url.rstrip("/") == out_url.rstrip("/"):
         raise JobError(f"incremental.previous is output.uri ({url}): write the new snapshot to another "
                        "output.uri (e.g. one per date) and point previous at the last one")
-    manifest = read_json(fs, f"{root}/manifest.json")
+    manifest = folder.read_manifest()
     if not manifest:
-        raise JobError(f"incremental.previous: no manifest.json at {url}; point it at a finished "
+        raise JobError(f"incremental.previous: no {MANIFEST} at {url}; point it at a finished "
                        "batchembed output")
     job = manifest.get("job", {})
     prev_id = manifest.get("input", {}).get("id_column")
@@ -160,37 +158,29 @@ def open_previous(uri: str, storage_options: dict, fp: JobFingerprint, id_column
     if reason:
         log.warning("incremental: not reusing %s: %s; every row is embedded", url, reason)
     parts = {e["name"]: e for e in manifest.get("parts", [])}
-    return Previous(uri=url, fs=fs, root=root, manifest=manifest, usable=reason is None, reason=reason,
+    return Previous(uri=url, folder=folder, manifest=manifest, usable=reason is None, reason=reason,
                     id_column=prev_id or "", sources=sources, same_job=job.get("digest") == fp.digest,
                     parts=parts, rows=int(manifest.get("counts", {}).get("rows", 0)))
 
 
-def copy_parts(prev: Previous, tasks: list[Task], out_fs, out_root: str, record_base: dict,
+def copy_parts(prev: Previous, tasks: list[Task], out: OutputFolder, job: dict,
                threads: int = 16) -> tuple[dict[int, dict], list[Task]]:
     """Copy the previous parts of unchanged inputs as they are, each followed by its commit
-    record. Returns (records by task index, the tasks still to run)."""
+    record, which keeps every count and the token histogram of the source. Returns (records
+    by task index, the tasks still to run)."""
     todo = [(t, e) for t in tasks if (e := prev.copyable(t))]
     if not todo:
         return {}, tasks
-    same_fs = type(prev.fs) is type(out_fs) and prev.fs.storage_options == out_fs.storage_options
 
     def copy(item) -> tuple[int, dict]:
         t, entry = item
-        src, dst = f"{prev.root}/{t.part_name}", f"{out_root}/{t.part_name}"
-        if is_local(prev.fs) and is_local(out_fs):
-            put_file_atomic(out_fs, src, dst)  # a temporary file beside it, then a rename
-        elif same_fs:
-            retry(lambda: out_fs.copy(src, dst), full_url(out_fs, dst))  # server-side on object stores
-        else:
-            with tempfile.TemporaryDirectory() as d:
-                retry(lambda: prev.fs.get_file(src, f"{d}/part"), full_url(prev.fs, src))
-                put_file_atomic(out_fs, f"{d}/part", dst)
-        counts = entry["counts"]
-        record = {"part": t.part_name, "rows": t.num_rows, "embedded": 0, "reused": t.num_rows,
-                  "deduplicated": 0, "matched": t.num_rows, "tokens": 0,
-                  **{k: counts.get(k, 0) for k in ("truncated", "nulls", "empty")},
-                  "input": t.input_fingerprint, "copied_from": full_url(prev.fs, src), **record_base}
-        write_commit(out_fs, out_root, t.part_name, record)
+        name = out.part_name(t)
+        out.copy_part_from(prev.folder, name)
+        source = prev.folder.read_commit(name)
+        if not source or source.get("rows") != entry["rows"]:  # the manifest's entry has the counts too
+            source = {**entry["counts"], "rows": entry["rows"]}
+        record = copied_record(name, source, t.input_fingerprint, job, prev.folder.url_of(name))
+        out.write_commit(name, record)
         return t.index, record
 
     with ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:
@@ -215,32 +205,35 @@ class TaskIndex:
             hashes.append(h.combine_chunks().fill_null(0).to_numpy().astype(np.uint64)[ok])
             part_no.append(np.full(int(ok.sum()), i, dtype=np.int32))
             rows.append(np.flatnonzero(ok))
-        cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
+        def cat(xs, dt):
+            return np.concatenate(xs) if xs else np.zeros(0, dt)
+
         keys_all = cat(keys, np.uint64)
         order = np.argsort(keys_all, kind="stable")
         self.keys = keys_all[order]
         self.hashes = cat(hashes, np.uint64)[order]
         self.part_no = cat(part_no, np.int32)[order]
         self.rows = cat(rows, np.int64)[order]
-        self._files: dict[int, tuple[Any, pq.ParquetFile]] = {}
+        self._open = contextlib.ExitStack()
+        self._readers: dict[int, Any] = {}  # part -> output.base.PartReader, open until close()
         self._groups: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # part -> (row group, columns)
 
     def _read(self, name: str, fn):
-        path = f"{self.prev.root}/{name}"
+        folder = self.prev.folder
 
         def go():
-            with self.prev.fs.open(path, "rb") as f:
-                return fn(pq.ParquetFile(f))
+            with folder.open_part(name) as part:
+                return fn(part)
 
         try:
-            return retry(go, full_url(self.prev.fs, path))
+            return retry(go, folder.url_of(name))
         except FileNotFoundError:
-            raise RunError(f"incremental.previous: {full_url(self.prev.fs, path)} is listed in its manifest "
+            raise RunError(f"incremental.previous: {folder.url_of(name)} is listed in its manifest "
                            "but gone") from None
         except Exception as e:  # noqa: BLE001
             if is_transient(e) or isinstance(e, RunError):
                 raise
-            raise RunError(f"incremental.previous: cannot read {full_url(self.prev.fs, path)}: {e}") from None
+            raise RunError(f"incremental.previous: cannot read {folder.url_of(name)}: {e}") from None
 
     def match(self, keys: np.ndarray, key_valid: np.ndarray, hashes: np.ndarray,
               text_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -263,8 +256,8 @@ class TaskIndex:
         columns = sorted({self.prev.sources[d] for d in dimensions})
         for i in np.unique(parts):
             sel = np.flatnonzero(parts == i)
-            pf = self._file(int(i))
-            bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
+            part = self._reader(int(i))
+            bounds = np.cumsum([0] + part.block_rows)
             groups = np.searchsorted(bounds, rows[sel], side="right") - 1
             for g in np.unique(groups):
                 in_g = sel[groups == g]
@@ -276,28 +269,26 @@ class TaskIndex:
                     out[d][in_g] = v if D == d else l2_normalise(v[:, :d])
         return out
 
-    def _file(self, i: int) -> pq.ParquetFile:
-        if i not in self._files:
-            path = f"{self.prev.root}/{self.part_names[i]}"
-            handle = retry(lambda: self.prev.fs.open(path, "rb"), full_url(self.prev.fs, path))
-            self._files[i] = (handle, pq.ParquetFile(handle))
-        return self._files[i][1]
+    def _reader(self, i: int):
+        if i not in self._readers:
+            folder, name = self.prev.folder, self.part_names[i]
+            self._readers[i] = retry(lambda: self._open.enter_context(folder.open_part(name)), folder.url_of(name))
+        return self._readers[i]
 
     def _group(self, i: int, g: int, columns: list[tuple[str, int]]) -> dict[str, np.ndarray]:
         cached = self._groups.get(i)
         if cached and cached[0] == g:
             return cached[1]
-        table = retry(lambda: self._file(i).read_row_group(g, columns=[c for c, _ in columns]),
+        table = retry(lambda: self._reader(i).read_block(g, [c for c, _ in columns]),
                       f"{self.prev.uri}/{self.part_names[i]}")
         arrays = {c: vector_matrix(table.column(c)) for c, _ in columns}
         self._groups[i] = (g, arrays)  # one row group per part: rows come mostly in order
         return arrays
 
     def close(self) -> None:
-        for handle, _ in self._files.values():
-            try:
-                handle.close()
-            except Exception:  # noqa: BLE001 - closing a read handle must not fail the run
-                pass
-        self._files.clear()
+        try:
+            self._open.close()
+        except Exception:  # noqa: BLE001 - closing a read handle must not fail the run
+            pass
+        self._readers.clear()
         self._groups.clear()

@@ -5,23 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from .storage import full_url, open_fs, read_json, retry
-from .writer import MANIFEST, SCALAR, SUCCESS, vector_matrix
+from ..embed.vectors import SCALAR, vector_matrix
+from ..output.layout import MANIFEST, SUCCESS, OutputFolder
 
 
 def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], dict]:
     """(problems, summary). No problems means: _SUCCESS is there, every part the manifest
     lists exists with its row count and vector columns, every vector has norm 1, and
     no part is there that the manifest does not list."""
-    fs, root = open_fs(uri, storage_options or {}, "OUTPUT_URI")
-    root = root.rstrip("/")
-    manifest = read_json(fs, f"{root}/{MANIFEST}")
+    out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
+    manifest = out.read_manifest()
     if manifest is None:
         return [f"no {MANIFEST} at {uri}: not a finished batchembed output"], {}
     problems: list[str] = []
-    if not retry(lambda: fs.exists(f"{root}/{SUCCESS}"), uri):
+    if not out.finished():
         problems.append(f"no {SUCCESS}: the output is unfinished" +
                         (f" ({len(manifest.get('failed', []))} input files failed)" if manifest.get("failed") else ""))
     columns = manifest["embedding"]["columns"]
@@ -29,7 +27,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
     quantized = packed or manifest["embedding"]["output_dtype"] in SCALAR  # no norm to check
     tol = 1e-2 if manifest["embedding"]["output_dtype"] == "float16" else 1e-3
     listed = {p["name"]: p for p in manifest["parts"]}
-    present = {path.rsplit("/", 1)[-1] for path in retry(lambda: fs.glob(f"{root}/part-*.parquet"), uri)}
+    present = set(out.part_names())
     for extra in sorted(present - set(listed)):
         problems.append(f"{extra}: a part the manifest does not list")
     rows = vectors = 0
@@ -38,14 +36,13 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
         if name not in present:
             problems.append(f"{name}: listed in the manifest, missing")
             continue
-        url = full_url(fs, f"{root}/{name}")
-        with fs.open(f"{root}/{name}", "rb") as f:
-            pf = pq.ParquetFile(f)
-            if pf.metadata.num_rows != entry["rows"]:
-                problems.append(f"{url}: {pf.metadata.num_rows} rows, the manifest says {entry['rows']}")
-            rows += pf.metadata.num_rows
+        url = out.url_of(name)
+        with out.open_part(name) as part:
+            if part.num_rows != entry["rows"]:
+                problems.append(f"{url}: {part.num_rows} rows, the manifest says {entry['rows']}")
+            rows += part.num_rows
             for dim, col in columns.items():
-                field = pf.schema_arrow.field(col) if col in pf.schema_arrow.names else None
+                field = part.schema.field(col) if col in part.schema.names else None
                 width = int(dim) // 8 if packed else int(dim)
                 if field is None or getattr(field.type, "list_size", None) != width:
                     problems.append(f"{url}: column {col} is {field.type if field else 'missing'}, "
@@ -53,7 +50,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
                     continue
                 if quantized:
                     continue
-                for batch in pf.iter_batches(columns=[col]):
+                for batch in part.iter_batches(columns=[col]):
                     arr = batch.column(0).drop_null()
                     if len(arr) == 0:
                         continue

@@ -6,23 +6,21 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from .errors import RunError
-from .storage import open_fs, read_json, retry
-from .writer import MANIFEST, SUCCESS, vector_matrix
+from ..embed.vectors import vector_matrix
+from ..errors import RunError
+from ..output.layout import OutputFolder
 
 
 def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, sample_rows: int = 3,
                    norm_rows: int = 10_000) -> dict:
     """Rows, columns, dimensions, dtypes, norm statistics over the first `norm_rows`
     vectors, a few rows, and the manifest."""
-    fs, root = open_fs(uri, storage_options or {}, "OUTPUT_URI")
-    root = root.rstrip("/")
-    parts = sorted(retry(lambda: fs.glob(f"{root}/part-*.parquet"), uri))
+    out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
+    parts = out.part_names()
     if not parts:
-        raise RunError(f"no batchembed parts (part-*.parquet) at {uri}")
-    manifest = read_json(fs, f"{root}/{MANIFEST}")
+        raise RunError(f"no batchembed parts (part-*{out.fmt.suffix}) at {uri}")
+    manifest = out.read_manifest()
     rows = 0
     schema = None
     norms: dict[str, list[np.ndarray]] = {}
@@ -30,16 +28,15 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
     def enough() -> bool:  # norm statistics need only the first norm_rows vectors
         return any(sum(len(n) for n in v) >= norm_rows for v in norms.values())
 
-    for path in parts:
-        with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            rows += pf.metadata.num_rows
-            schema = schema or pf.schema_arrow
-            vector_cols = [fld.name for fld in pf.schema_arrow if hasattr(fld.type, "list_size")
+    for name in parts:
+        with out.open_part(name) as part:
+            rows += part.num_rows
+            schema = schema or part.schema
+            vector_cols = [fld.name for fld in part.schema if hasattr(fld.type, "list_size")
                            and pa.types.is_floating(fld.type.value_type)]  # packed bits have no norm
             if enough() and len(sample) >= sample_rows:
                 continue
-            for batch in pf.iter_batches(batch_size=4096):
+            for batch in part.iter_batches(batch_size=4096):
                 if len(sample) < sample_rows:
                     for row in batch.slice(0, sample_rows - len(sample)).to_pylist():
                         sample.append({k: (f"[{', '.join(f'{x:.4f}' for x in v[:4])}, ...] ({len(v)})"
@@ -59,7 +56,7 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
             entry.update(dim=fld.type.list_size, norm_min=float(n.min()), norm_max=float(n.max()),
                          norm_mean=float(n.mean()), vectors_checked=int(len(n)))
         columns.append(entry)
-    return {"output": uri, "finished": retry(lambda: fs.exists(f"{root}/{SUCCESS}"), uri), "parts": len(parts),
+    return {"output": uri, "finished": out.finished(), "parts": len(parts),
             "rows": rows, "columns": columns, "sample": sample, "manifest": manifest}
 
 

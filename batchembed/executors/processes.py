@@ -5,8 +5,8 @@ One process per replica, not one thread: a vLLM engine's front end (request
 building, output handling) is Python and needs a core of its own; four engines
 in one process measured 0.26 M tok/s on an H200 against 0.35 M for one
 (notes/performance.md). Each worker plans the job itself (footers only), runs the
-same pipeline as a single-engine run, commits its parts, and reports progress and
-records back. The parent plans, resumes and writes the manifest, as with Ray.
+same worker body as a single-engine run (base.Worker), commits its parts, and reports
+progress and its WorkerReport back. The parent plans, resumes and writes the manifest.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import time
 import traceback
 from typing import TYPE_CHECKING
 
-from .errors import RunError
-from .logs import json_logging, setup_logging
+from ..errors import RunError
+from ..logs import json_logging, setup_logging
+from ..stats import RunResult, combine
 
 if TYPE_CHECKING:
-    from .plan import Task
-    from .runner import Prepared, RunResult
+    from ..job import Prepared
+    from ..plan import Task
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class _Flag:
 
 
 class _Tasks:
-    """The pipeline's view of the shared queue: part names in, this worker's own Tasks out."""
+    """The pipeline's view of the shared queue: part ids in, this worker's own Tasks out."""
 
     def __init__(self, q, tasks: dict[str, Task]):
         self.q, self.tasks = q, tasks
@@ -73,7 +74,7 @@ def _die_with_parent() -> None:
 
 
 # Engines start at the same moment unless this is set: then one at a time (a file lock),
-# which costs K x the start-up (35-45 s each on an H200) but rules start-up races out.
+# which costs K times the start-up but rules start-up races out.
 SERIAL_START_ENV = "BATCHEMBED_SERIAL_START"
 
 
@@ -92,44 +93,46 @@ def _isolate(replica: int, workdir: str) -> None:
 
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, tasks_q, results_q,
-            start_lock, stop, spawned_at: float) -> None:
+            start_lock: str, stop, spawned_at: float) -> None:
     _die_with_parent()
     _isolate(replica, os.path.dirname(start_lock))
     setup_logging(log_level, as_json, engine=replica)
     try:
-        from . import fidelity
-        from .config import JobSpec
-        from .pipeline import Pipeline
-        from .runner import make_engine, prepare
+        from ..config import JobSpec
+        from ..job import prepare
+        from .base import Worker
 
         p = prepare(JobSpec.model_validate(spec))
-        started: list = []
+        serial = contextlib.nullcontext()
+        if os.environ.get(SERIAL_START_ENV):
+            serial = _FileLock(start_lock)
 
-        def factory():
-            log.info("engine process %d: %.1f s from spawn to its engine's start (interpreter, imports, plan, "
-                     "tokenizer)", replica, time.time() - spawned_at)
-            t0 = time.perf_counter()
-            with open(start_lock, "rb") as f:
-                if os.environ.get(SERIAL_START_ENV):
-                    fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-                started.append(make_engine(p, replica, replicas))
-            fidelity.ensure(p, started[0])  # part of start-up, timed with it
-            results_q.put(("started", replica, time.perf_counter() - t0))
-            return started[0]
-
-        pipeline = Pipeline(p, factory, _Tasks(tasks_q, {t.part_name: t for t in p.tasks}),
-                            lambda step: results_q.put(("progress", replica, step)), stop)
+        log.info("engine process %d: %.1f s from spawn to its plan (interpreter, imports, plan)", replica,
+                 time.time() - spawned_at)
+        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial)
         try:
-            pipeline.run()
+            worker.run(_Tasks(tasks_q, {t.part_id: t for t in p.tasks}),
+                       lambda step: results_q.put(("progress", replica, step)), stop)
         finally:
-            for e in started:
-                e.close()
-        results_q.put(("done", replica, {"records": pipeline.records, "failed": pipeline.failed,
-                                         "engine_seconds": pipeline.engine_seconds, "calls": pipeline.calls,
-                                         "engine": bool(started)}))
+            worker.close()
+        results_q.put(("done", replica, worker.report()))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
         message = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}"
         results_q.put(("error", replica, message, traceback.format_exc()))
+
+
+class _FileLock:
+    """An exclusive lock on a file, held while in the `with` block (engines start one at a time)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        self._f = open(self.path, "rb")
+        fcntl.flock(self._f, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        self._f.close()  # releases the lock
 
 
 def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) -> RunResult:
@@ -141,17 +144,14 @@ def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) 
 
 
 def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tuple[RunResult, str | None]:
-    from .runner import RunResult, steady_rate, throughput
-
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
     tasks_q, results_q = ctx.Queue(), ctx.Queue()
     stop = _Flag(ctx)  # set by any worker's failure, or by us
     workdir = tempfile.TemporaryDirectory(prefix="batchembed-engines-")
     start_lock = os.path.join(workdir.name, "start.lock")
     open(start_lock, "wb").close()
-    by_index = {t.part_name: t.index for t in pending}
     for t in pending:
-        tasks_q.put(t.part_name)
+        tasks_q.put(t.part_id)
     for _ in range(replicas):
         tasks_q.put(None)
     spec = p.spec.model_dump(mode="json")
@@ -160,8 +160,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
                            args=(spec, i, replicas, level, json_logging(), tasks_q, results_q, start_lock, stop,
                                  time.time()))
                for i in range(replicas)]
-    result = RunResult()
-    calls, busy, starts = [], [], []
+    reports = []
     t0 = time.perf_counter()
     for w in workers:
         w.start()
@@ -180,20 +179,12 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
             kind, replica = msg[0], msg[1]
             if kind == "progress":
                 progress(msg[2])
-            elif kind == "started":
-                starts.append(msg[2])
             elif kind == "error":
                 log.debug("engine process %d failed:\n%s", replica, msg[3])
                 error = f"engine process {replica}: {msg[2]}"
             elif kind == "done":
-                out = msg[2]
                 done.add(replica)
-                result.records.update({by_index[r["part"]]: r for r in out["records"].values()})
-                result.failed += out["failed"]
-                if out["engine"]:
-                    result.engines += 1
-                    busy.append(out["engine_seconds"])
-                    calls.append(out["calls"])
+                reports.append(msg[2])
     finally:
         if len(done) < replicas:
             # every pipeline stops at its next step and closes its engine; a worker that does
@@ -207,13 +198,4 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
                 w.join(timeout=10)
         with contextlib.suppress(OSError):
             workdir.cleanup()
-    # Engines start one after another: start-up counts until the last is up, and the pipeline
-    # from when the first could work (so tokens/pipeline_seconds never credits the later ones
-    # with work the first did alone).
-    result.engine_start_seconds = max(starts, default=0.0)
-    result.pipeline_seconds = time.perf_counter() - t0 - min(starts, default=0.0)
-    result.engine_seconds = sum(busy) / max(1, len(busy))
-    result.steady_tokens_per_s = steady_rate([c for c in calls if c])
-    result.throughput = throughput([c for c in calls if c])
-    return result, error
-
+    return combine(reports, time.perf_counter() - t0), error

@@ -17,30 +17,27 @@ import json
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from .errors import JobError
-from .storage import full_url, open_fs, read_json, retry
-from .writer import MANIFEST, vector_matrix
-
-BYTES_PER_DIM = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "binary": 1 / 8, "ubinary": 1 / 8}
+from ..embed.vectors import vector_matrix
+from ..errors import JobError
+from ..output.layout import MANIFEST, OutputFolder
 
 
-def sample_vectors(fs, root: str, column: str, rows: int) -> np.ndarray:
+def sample_vectors(out: OutputFolder, column: str, rows: int) -> np.ndarray:
     """Up to `rows` non-null vectors of one float column, from the parts in name order."""
-    out: list[np.ndarray] = []
+    vectors: list[np.ndarray] = []
     have = 0
-    for path in sorted(retry(lambda: fs.glob(f"{root}/part-*.parquet"), root)):
-        with fs.open(path, "rb") as f:
-            for batch in pq.ParquetFile(f).iter_batches(columns=[column], batch_size=4096):
+    for name in out.part_names():
+        with out.open_part(name) as part:
+            for batch in part.iter_batches(columns=[column], batch_size=4096):
                 arr = batch.column(0).drop_null()
                 if len(arr):
                     m = vector_matrix(arr)
-                    out.append(m)
+                    vectors.append(m)
                     have += len(m)
                 if have >= rows:
-                    return np.concatenate(out)[:rows]
-    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+                    return np.concatenate(vectors)[:rows]
+    return np.concatenate(vectors) if vectors else np.zeros((0, 0), np.float32)
 
 
 def matryoshka_recall(vectors: np.ndarray, dims: list[int], queries: int = 200, k: int = 10) -> dict[int, float]:
@@ -119,11 +116,10 @@ def _num(v: float) -> str:
 
 
 def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample_rows: int = 2000) -> str:
-    fs, root = open_fs(uri, storage_options or {}, "OUTPUT_URI")
-    root = root.rstrip("/")
-    manifest = read_json(fs, f"{root}/{MANIFEST}")
+    out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
+    manifest = out.read_manifest()
     if manifest is None:
-        raise JobError(f"no {MANIFEST} at {full_url(fs, root)}: not a finished batchembed output")
+        raise JobError(f"no {MANIFEST} at {out.url}: not a finished batchembed output")
     emb, counts, run = manifest["embedding"], manifest["counts"], manifest.get("last_run") or {}
     sections = []
 
@@ -152,7 +148,7 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
     columns = {int(d): c for d, c in emb["columns"].items()}
     full_d = max(columns)
     if emb["output_dtype"] in ("float32", "float16"):
-        vectors = sample_vectors(fs, root, columns[full_d], sample_rows)
+        vectors = sample_vectors(out, columns[full_d], sample_rows)
         dims = sorted({d for d in columns} | {2 ** i for i in range(4, 16) if 2 ** i < full_d})
         recall = matryoshka_recall(vectors, dims) if len(vectors) > 11 else {}
         if recall:
@@ -174,7 +170,7 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
         sections.append(("Matryoshka", f"<p>The vectors are {emb['output_dtype']}; the chart needs float ones.</p>"))
 
     title = f"batchembed report: {manifest['name']}"
-    facts = [("output", full_url(fs, root)), ("model", manifest["model"].get("name")),
+    facts = [("output", out.url), ("model", manifest["model"].get("name")),
              ("rows", f"{counts['rows']:,}"), ("embedded", f"{counts.get('embedded', 0):,}"),
              ("dimensions", ", ".join(str(d) for d in sorted(columns, reverse=True))),
              ("stored as", emb["output_dtype"]), ("made", manifest.get("created_at")),

@@ -1,0 +1,82 @@
+"""The one worker body every executor runs: a prepared job, an engine started when a window
+first needs it (and checked by the fidelity guard before its first vector), and one
+pipeline over whatever tasks it is handed, for its whole life. Executors (local.py,
+processes.py, ray.py) only say where workers run and how tasks reach them; each hands
+back the workers' reports, which stats.combine adds up."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import fidelity
+from ..pipeline import Pipeline
+from ..stats import WorkerReport
+
+if TYPE_CHECKING:
+    from ..embed.engine import Engine, EngineKey
+    from ..job import Prepared
+
+log = logging.getLogger(__name__)
+
+
+def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None) -> Engine:
+    """A new engine for the job, checked by the fidelity guard (unless off or done): the one way
+    every executor, and the int8 calibration, gets an engine. `lock` serialises the build."""
+    from ..embed.engine import Engine
+
+    with lock if lock is not None else contextlib.nullcontext():
+        engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
+    try:
+        fidelity.ensure(p, engine)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def engine_key(p: Prepared) -> EngineKey:
+    from ..embed.engine import EngineKey
+
+    return EngineKey(str(p.model.path), p.spec.model.dtype, p.max_length)
+
+
+class Worker:
+    """One engine's worth of work. `engine`: a loaded engine to use (checked, not closed);
+    otherwise one is started on the first window that needs it (`replica` of `replicas`
+    places it) and closed by close()."""
+
+    def __init__(self, p: Prepared, engine=None, replica: int = 0, replicas: int = 1, start_lock=None):
+        self.p, self.given, self.replica, self.replicas = p, engine, replica, replicas
+        self.start_lock = start_lock
+        self.own = None
+        self.start_seconds: float | None = None
+        self.pipeline = Pipeline(p, self._engine)
+
+    def _engine(self):
+        t0 = time.perf_counter()
+        if self.given is not None:
+            fidelity.ensure(self.p, self.given)  # a given engine is checked before its first vector too
+            engine = self.given
+        else:
+            engine = self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock)
+        self.start_seconds = time.perf_counter() - t0
+        return engine
+
+    def run(self, tasks, progress: Callable[[dict], None], stop=None) -> dict[str, dict]:
+        """Run what `tasks` gives (get_nowait until queue.Empty); returns the parts committed."""
+        return self.pipeline.run(tasks, progress, stop)
+
+    def report(self, node: str | None = None) -> WorkerReport:
+        e = self.pipeline.embedder
+        return WorkerReport(records=dict(self.pipeline.records), failed=list(self.pipeline.failed),
+                            engine_start_seconds=self.start_seconds, engine_seconds=e.engine_seconds,
+                            calls=list(e.calls), node=node)
+
+    def close(self) -> None:
+        if self.own is not None:
+            self.own.close()
+            self.own = None

@@ -1,0 +1,231 @@
+"""A job, prepared: checked against the model, the input (footers only) and the output
+location, and cut into tasks, before any engine loads. Everything below the executors
+works from a `Prepared`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from . import inputs, storage
+from .config import JobSpec
+from .embed.matryoshka import column_names
+from .embed.tokenizer import Tokenizer, model_tokenizer
+from .embed.vectors import PACKED, vector_type
+from .errors import JobError, RunError
+from .inputs.base import InputFile, inspect_inputs
+from .inputs.rows import needed_columns, select_rows
+from .model import ModelInfo, model_content_hash, read_model_info
+from .output.layout import LAYOUT, OutputFolder
+from .plan import Task, make_tasks
+from .reuse import TEXT_HASH, open_previous
+from .storage import RetryPolicy
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class JobFingerprint:
+    """Everything that changes the vectors. Outputs made under different ones never mix."""
+
+    model_hash: str
+    dimensions: tuple[int, ...]
+    output_dtype: str
+    dtype: str
+    max_length: int
+    prefix: str
+    columns: dict[str, Any] = field(default_factory=dict)
+    long_text: str = "truncate"  # or "chunk:<overlap>"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {"layout": LAYOUT, "model_hash": self.model_hash, "dimensions": list(self.dimensions),
+             "output_dtype": self.output_dtype, "dtype": self.dtype, "max_length": self.max_length,
+             "prefix": self.prefix, "columns": self.columns}
+        if self.long_text != "truncate":  # only when set: outputs made before it keep their digest
+            d["long_text"] = self.long_text
+        return d
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_digest(self) -> dict[str, Any]:
+        """As commit records and the manifest carry it."""
+        return {**self.as_dict(), "digest": self.digest}
+
+
+@dataclass
+class Prepared:
+    """Everything known before the engine loads."""
+
+    spec: JobSpec
+    model: ModelInfo
+    max_length: int
+    dimensions: list[int]
+    files: list[InputFile]
+    tasks: list[Task]
+    input_format: Any  # inputs.base.InputFormat
+    in_fs: Any
+    out: OutputFolder
+    fingerprint: JobFingerprint
+    warnings: list[str] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)  # unreadable inputs, with on_error: skip
+    previous: Any = None  # reuse.Previous: the output whose vectors may be reused (incremental)
+
+    @property
+    def output_schema(self) -> pa.Schema:
+        schema = self.files[0].schema
+        cols = [c for c in [self.spec.input.id_column, *self.spec.input.carry_columns] if c]
+        fields = [schema.field(c) for c in dict.fromkeys(cols)]
+        fields.append(pa.field(TEXT_HASH, pa.uint64()))
+        names = column_names(self.dimensions)
+        fields += [pa.field(names[d], vector_type(d, self.spec.embedding.output_dtype)) for d in self.dimensions]
+        return pa.schema(fields)
+
+    def tokenizer(self) -> Tokenizer:
+        return model_tokenizer(self.model.path, self.max_length, self.spec.model)
+
+    def iter_batches(self, task: Task, batch_rows: int) -> Iterator[pa.RecordBatch]:
+        """The task's rows, the columns the job reads, `batch_rows` at a time."""
+        return self.input_format.iter_batches(self.in_fs, task.file, list(task.row_groups),
+                                              needed_columns(self.spec.input), batch_rows)
+
+    def first_texts(self, n: int) -> list[str]:
+        """The first `n` non-null texts in plan order (the same rows for every shard and rerun)."""
+        texts: list[str] = []
+        for task in self.tasks:
+            for batch in self.iter_batches(task, 8192):
+                texts += [t for t in select_rows(self.spec.input, batch)[1] if t is not None]
+                if len(texts) >= n:
+                    return texts[:n]
+        return texts
+
+
+def _check_model_fit(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[int], warnings: list[str]) -> None:
+    if max_length > model.position_limit:
+        raise JobError(f"model.max_length: {max_length} is more than {model.path.name} allows "
+                       f"({model.position_limit} positions)")
+    if max_length > model.max_length:
+        warnings.append(f"model.max_length {max_length} is above the {model.max_length} tokens the model was "
+                        "trained with; quality may drop past that")
+    too_big = [d for d in dims if d > model.dimension]
+    if too_big:
+        raise JobError(f"embedding.dimensions: {too_big[0]} is larger than the model's dimension {model.dimension}")
+    if any(d < model.dimension for d in dims) and not model.is_matryoshka:
+        warnings.append(f"embedding.dimensions {dims}: the model does not declare Matryoshka training "
+                        "(is_matryoshka / matryoshka_dimensions in config.json); truncated vectors may lose "
+                        "much more quality than for a Matryoshka model")
+    if model.matryoshka_dimensions:
+        untrained = [d for d in dims if d not in model.matryoshka_dimensions and d != model.dimension]
+        if untrained:
+            warnings.append(f"embedding.dimensions {untrained} are not among the model's trained Matryoshka "
+                            f"dimensions {list(model.matryoshka_dimensions)}")
+    if spec.engine.token_budget is not None and spec.engine.token_budget < max_length:
+        raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
+                       "one full-length row must fit in a call")
+
+
+def _check_columns(spec: JobSpec, dims: list[int] | None) -> None:
+    if spec.embedding.output_dtype in PACKED and dims and any(d % 8 for d in dims):
+        raise JobError(f"embedding.dimensions: {next(d for d in dims if d % 8)} is not a multiple of 8, which "
+                       f"output_dtype {spec.embedding.output_dtype} needs (8 dimensions to a byte)")
+    ours = {*column_names(dims or [0]).values(), TEXT_HASH} if dims else {"embedding", TEXT_HASH}
+    clash = [c for c in [spec.input.id_column, *spec.input.carry_columns] if c in ours]
+    if clash:
+        key = "input.id_column" if clash[0] == spec.input.id_column else "input.carry_columns"
+        raise JobError(f"{key}: {clash[0]!r} is also the name of an output column batchembed writes "
+                       f"({', '.join(sorted(ours))}); rename it in the input or leave it out")
+
+
+def _read_inputs(spec: JobSpec):
+    fmt = inputs.get_format(spec.input.format)
+    in_fs, in_root, paths = fmt.list_files(spec.input.uri, spec.input.storage_options)
+    files, failed = inspect_inputs(fmt, in_fs, in_root, paths, spec.input, skip_unreadable=spec.on_error == "skip")
+    if not files:
+        raise RunError(f"no input file could be read ({len(failed)} failed), e.g. {failed[0]['error']}")
+    return fmt, in_fs, files, failed
+
+
+def _fingerprint(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[int]) -> JobFingerprint:
+    return JobFingerprint(
+        model_hash=model_content_hash(model.path),
+        dimensions=tuple(dims),
+        output_dtype=spec.embedding.output_dtype,
+        dtype=spec.model.dtype,
+        max_length=max_length,
+        prefix=spec.model.text_prefix,
+        columns={"text": spec.input.text_column, "id": spec.input.id_column,
+                 "carry": list(spec.input.carry_columns),
+                 # only when set: outputs made before these keys existed keep their digest
+                 **{k: v for k, v in (("text_sql", spec.input.text_sql), ("where", spec.input.where)) if v}},
+        long_text="truncate" if spec.model.long_text == "truncate" else f"chunk:{spec.model.chunk_overlap}",
+    )
+
+
+def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
+    """Check the job against the model, the input (footers only) and the output location.
+
+    Raises JobError (or RunError for input that cannot be read) at the first problem;
+    with `all_problems` (validate), every check that does not depend on a failed one
+    runs, and one JobError lists every problem found.
+    """
+    problems: list[str] = []
+
+    def check(fn):
+        try:
+            return fn()
+        except (JobError, RunError) as e:
+            if not all_problems:
+                raise
+            problems.append(str(e))
+            return None
+
+    warnings: list[str] = []
+    model = check(lambda: read_model_info(spec.model.name))
+    max_length, dims = spec.model.max_length, spec.embedding.dimensions
+    if model is not None:
+        max_length = max_length or model.max_length
+        dims = dims or [model.dimension]
+        check(lambda: _check_model_fit(spec, model, max_length, dims, warnings))
+        if spec.model.long_text == "chunk":  # the windows must leave room for text
+            check(lambda: model_tokenizer(model.path, max_length, spec.model))
+    check(lambda: _check_columns(spec, dims))
+    storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
+    read = check(lambda: _read_inputs(spec))
+    out = check(lambda: OutputFolder.open(spec.output.uri, spec.output.storage_options, spec.output.format))
+    fp = previous = None
+    if model is not None and out is not None:
+        fp = _fingerprint(spec, model, max_length, dims)
+        if spec.incremental is not None:
+            inc = spec.incremental
+            options = inc.storage_options if inc.storage_options is not None else spec.output.storage_options
+            previous = check(lambda: open_previous(inc.previous, options, fp, spec.input.id_column, out.url))
+    if problems:
+        raise JobError(f"{len(problems)} problem(s) with the job:\n  " + "\n  ".join(problems))
+    for w in warnings:
+        log.warning(w)
+    fmt, in_fs, files, failed = read
+    return Prepared(spec, model, max_length, dims, files, make_tasks(files, spec.output.rows_per_part), fmt, in_fs,
+                    out, fp, warnings, failed, previous)
+
+
+def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:
+    """Tokens the whole corpus will take, from the first rows of up to 4 files."""
+    tok = p.tokenizer()
+    seen_rows = seen_tokens = 0
+    per_file = max(1, sample_rows // min(4, len(p.files)))
+    for f in p.files[:4]:
+        if not f.row_group_rows:
+            continue
+        task = Task(-1, f, (0,), f.row_group_rows[0], 0)
+        for batch in p.iter_batches(task, per_file):
+            t = tok(select_rows(p.spec.input, batch)[1])
+            seen_rows, seen_tokens = seen_rows + len(t.valid), seen_tokens + int(t.lengths.sum())
+            break
+    total_rows = sum(f.num_rows for f in p.files)
+    return round(seen_tokens / seen_rows * total_rows) if seen_rows else 0

@@ -1,0 +1,202 @@
+"""The output folder and everything in it: the one place that knows its layout.
+
+    part-<input file>-rg<first block>.parquet   the vectors, next to the ids and carried columns
+    _commits/<part>.json   a part's commit record (records.py), published after the part
+    _calibration.json      int8 / uint8 ranges, made before any part
+    _fidelity.json         the fidelity check's result
+    manifest.json          after every part is committed
+    _SUCCESS               last of all: a reader that sees it sees a finished output
+
+Parts are written by the output format (parquet.py) to a local file and published here in
+one atomic step, then their record. Resume reads the records back (`state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import JobError
+from ..storage import (
+    full_url,
+    is_local,
+    open_fs,
+    put_file_atomic,
+    read_json,
+    remove,
+    retry,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from . import get_format
+from .base import OutputFormat, PartReader, PartWriter
+
+LAYOUT = 2  # output layout version, part of every job's fingerprint: 2 added text_hash
+COMMITS = "_commits"
+MANIFEST = "manifest.json"
+SUCCESS = "_SUCCESS"
+CALIBRATION = "_calibration.json"
+FIDELITY = "_fidelity.json"
+
+
+@dataclass
+class OutputState:
+    done: dict[int, dict]  # task index -> commit record, for tasks whose part is complete and current
+    stale: list[str]  # paths of our files that no current task will rewrite
+    complete: bool  # manifest and _SUCCESS present and every task done
+
+
+def _job_diff(a: dict, b: dict) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} now" for k in keys)
+
+
+class OutputFolder:
+    """An output location (any fsspec URL) and its format."""
+
+    def __init__(self, fs, root: str, fmt: OutputFormat):
+        self.fs, self.root, self.fmt = fs, root.rstrip("/"), fmt
+
+    @classmethod
+    def open(cls, uri: str, storage_options: dict[str, Any] | None = None, fmt: str = "parquet",
+             key: str = "output.uri") -> OutputFolder:
+        fs, root = open_fs(uri, storage_options or {}, key)
+        return cls(fs, root, get_format(fmt))
+
+    @property
+    def url(self) -> str:
+        return full_url(self.fs, self.root)
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def url_of(self, name: str) -> str:
+        return full_url(self.fs, self.path(name))
+
+    def part_name(self, task) -> str:
+        return task.part_id + self.fmt.suffix
+
+    def _commit_path(self, part_name: str) -> str:
+        return self.path(f"{COMMITS}/{part_name[: -len(self.fmt.suffix)]}.json")
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def listing(self) -> tuple[list[str], set[str]]:
+        """(commit record paths, part paths) under the root."""
+        fs, root = self.fs, self.root
+
+        def go() -> tuple[list[str], set[str]]:
+            fs.invalidate_cache()
+            commits = fs.glob(f"{root}/{COMMITS}/part-*.json") if fs.exists(f"{root}/{COMMITS}") else []
+            parts = set(fs.glob(f"{root}/part-*{self.fmt.suffix}")) if fs.exists(root) else set()
+            return commits, parts
+
+        return retry(go, self.url)
+
+    def part_names(self) -> list[str]:
+        """The parts present, by name, sorted."""
+        return sorted(p.rsplit("/", 1)[-1] for p in self.listing()[1])
+
+    @contextlib.contextmanager
+    def open_part(self, name: str) -> Iterator[PartReader]:
+        with self.fs.open(self.path(name), "rb") as f:
+            yield self.fmt.reader(f)
+
+    def read_json(self, name: str) -> Any | None:
+        return read_json(self.fs, self.path(name))
+
+    def write_json(self, name: str, obj: Any) -> None:
+        write_json_atomic(self.fs, self.path(name), obj)
+
+    def read_commit(self, part_name: str) -> dict | None:
+        return read_json(self.fs, self._commit_path(part_name))
+
+    def read_manifest(self) -> dict | None:
+        return self.read_json(MANIFEST)
+
+    def finished(self) -> bool:
+        return retry(lambda: self.fs.exists(self.path(SUCCESS)), self.url)
+
+    def state(self, tasks, job: dict, failed_inputs: list) -> OutputState:
+        """What the output already holds for these tasks. `job` is the job's fingerprint with its
+        digest; results of a different job are refused (JobError), never mixed."""
+        commit_paths, part_paths = self.listing()
+        manifest = self.read_manifest()
+        records = [r for r in (read_json(self.fs, c) for c in commit_paths) if r]
+        foreign = [r for r in records + ([manifest] if manifest else [])
+                   if r.get("job", {}).get("digest", "") != job["digest"]]
+        if foreign:
+            theirs = {"layout": 1, **{k: v for k, v in foreign[0]["job"].items() if k != "digest"}}  # 1: no text_hash
+            current = {k: v for k, v in job.items() if k != "digest"}
+            raise JobError(f"output.uri {self.url} holds embeddings made by a different job "
+                           f"({_job_diff(theirs, current)}); rerun with --overwrite to replace them, "
+                           "or write to a new output.uri")
+        by_part = {r["part"]: r for r in records}
+        done = {}
+        for t in tasks:
+            name = self.part_name(t)
+            r = by_part.get(name)
+            if r and r.get("input") == t.input_fingerprint and self.path(name) in part_paths:
+                done[t.index] = r
+        names = {self.part_name(t) for t in tasks}
+        live = {self.path(n) for n in names}
+        # commit records go before their parts, so a part never outlives its record unnoticed
+        stale = [c for c in commit_paths if c.rsplit("/", 1)[-1][: -len(".json")] + self.fmt.suffix not in names]
+        stale += sorted(x for x in part_paths if x not in live)
+        complete = (manifest is not None and self.finished() and len(done) == len(tasks) and not stale
+                    and not failed_inputs)
+        return OutputState(done, stale, complete)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def writer(self, schema, compression: str) -> PartWriter:
+        return self.fmt.writer(schema, compression)
+
+    def commit(self, writer: PartWriter, part_name: str, record: dict) -> None:
+        """Publish a written part, then its commit record. Either may be retried; both are idempotent."""
+        writer.close()
+        try:
+            put_file_atomic(self.fs, writer.local_path, self.path(part_name))
+            self.write_commit(part_name, record)
+        finally:
+            writer.discard()
+
+    def write_commit(self, part_name: str, record: dict) -> None:
+        write_json_atomic(self.fs, self._commit_path(part_name), record)
+
+    def copy_part_from(self, src: OutputFolder, part_name: str) -> None:
+        """A part of another output, copied as it is: server-side on one object store."""
+        a, b = src.path(part_name), self.path(part_name)
+        same_fs = type(src.fs) is type(self.fs) and src.fs.storage_options == self.fs.storage_options
+        if is_local(src.fs) and is_local(self.fs):
+            put_file_atomic(self.fs, a, b)  # a temporary file beside it, then a rename
+        elif same_fs:
+            retry(lambda: self.fs.copy(a, b), full_url(self.fs, b))
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                retry(lambda: src.fs.get_file(a, f"{d}/part"), full_url(src.fs, a))
+                put_file_atomic(self.fs, f"{d}/part", b)
+
+    def unfinish(self) -> None:
+        """The output is about to change: it stops looking finished first."""
+        for name in (SUCCESS, MANIFEST):
+            remove(self.fs, self.path(name))
+
+    def finish(self, manifest: dict, success: bool) -> None:
+        """The manifest, then (when nothing failed) _SUCCESS, last of all."""
+        self.write_json(MANIFEST, manifest)
+        if success:
+            write_bytes_atomic(self.fs, self.path(SUCCESS), b"")
+
+    def remove(self, paths: list[str]) -> None:
+        for path in paths:
+            remove(self.fs, path)
+
+    def clear(self) -> None:
+        """Remove everything batchembed wrote under the root, marker first."""
+        commit_paths, part_paths = self.listing()
+        self.remove([self.path(SUCCESS), self.path(MANIFEST), *commit_paths, *sorted(part_paths),
+                     self.path(CALIBRATION), self.path(FIDELITY)])

@@ -1,0 +1,111 @@
+"""The writing stage: each window's rows as output columns (Matryoshka reduction, the output
+dtype), streamed into its part; at the task's end the part is checked against its input's
+row count and committed with its record."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from .. import calibration
+from ..embed.matryoshka import reduce
+from ..embed.vectors import SCALAR, vector_array
+from ..errors import RunError
+from ..output.records import COUNTS, HISTOGRAM_BINS, commit_record, empty_counts, histogram_bin_width
+from .base import END, FAILED, get
+
+if TYPE_CHECKING:
+    from ..job import Prepared
+    from ..output.base import PartWriter
+    from ..plan import Task
+
+
+class _Part:
+    """One task's part while it is written: its writer, counts and token histogram."""
+
+    def __init__(self, task: Task, writer: PartWriter):
+        self.task, self.writer = task, writer
+        self.counts = empty_counts()
+        self.histogram = np.zeros(HISTOGRAM_BINS, dtype=np.int64)
+
+
+class WriteStage:
+    def __init__(self, p: Prepared):
+        self.p = p
+        self.keep = [c for c in dict.fromkeys([p.spec.input.id_column, *p.spec.input.carry_columns]) if c]
+        self.width = histogram_bin_width(p.max_length)
+        # int8 / uint8: the output's calibration, made before any pipeline starts
+        self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
+        self.job = p.fingerprint.with_digest()
+
+    def run(self, q_out: queue.Queue, stop, progress: Callable[[dict], None], records: dict[str, dict],
+            failed: list[dict]) -> None:
+        """Write until END; committed parts' records go into `records` (by part name), tasks
+        abandoned under on_error: skip into `failed`."""
+        part: _Part | None = None
+        try:
+            while True:
+                item = get(q_out, stop)
+                if item is END:
+                    return
+                task, batch, w = item
+                if isinstance(batch, str):  # RESET or FAILED
+                    if part is not None:
+                        part.writer.discard()
+                        progress(dict(rows=-part.counts["rows"], tokens=-part.counts["tokens"]))
+                        part = None
+                    if batch == FAILED:
+                        failed.append({"file": task.file.url, "part": self.p.out.part_name(task), "error": w})
+                    continue
+                if part is None:
+                    part = _Part(task, self.p.out.writer(self.p.output_schema, self.p.spec.output.compression))
+                if batch is None:
+                    name, record = self._commit(part)
+                    records[name] = record
+                    part = None
+                    continue
+                progress(self._write(part, batch, w))
+        finally:
+            if part is not None:
+                part.writer.discard()
+
+    def _write(self, part: _Part, batch: pa.RecordBatch, w) -> dict:
+        p = self.p
+        arrays = [batch.column(c) for c in self.keep]
+        arrays.append(pa.array(w.hashes, type=pa.uint64(), mask=~w.valid))
+        embedded = reduce(w.full[w.inverse], p.dimensions)
+        for d in p.dimensions:
+            matrix = np.zeros((batch.num_rows, d), dtype=np.float32)
+            matrix[w.need] = embedded[d]
+            if len(w.reuse):
+                matrix[w.reuse] = w.reused[d]
+            arrays.append(vector_array(matrix, w.valid, p.spec.embedding.output_dtype,
+                                       self.calibration.ranges[d] if self.calibration else None))
+        # by name, then cast by the writer: a carried column may be large_string in one file
+        # and string in another
+        part.writer.write(pa.Table.from_arrays(arrays, names=p.output_schema.names))
+        step = dict(rows=batch.num_rows, embedded=w.embedded, reused=len(w.reuse),
+                    deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
+                    truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
+                    chunked=w.chunked, empty=w.empty, filtered=w.filtered)
+        for k in COUNTS:
+            part.counts[k] += step[k]
+        if len(w.inverse):
+            part.histogram += np.bincount(np.minimum(w.tok.lengths[w.inverse] // self.width, HISTOGRAM_BINS - 1),
+                                          minlength=HISTOGRAM_BINS)
+        return step
+
+    def _commit(self, part: _Part) -> tuple[str, dict]:
+        task, counts = part.task, part.counts
+        if part.writer.rows + counts["filtered"] != task.num_rows:
+            raise RunError(f"{task.file.url}: read {part.writer.rows + counts['filtered']} rows, its footer says "
+                           f"{task.num_rows}")
+        name = self.p.out.part_name(task)
+        extra = {"calibration": self.calibration.digest} if self.calibration is not None else {}
+        record = commit_record(name, counts, part.histogram, task.input_fingerprint, self.job, **extra)
+        self.p.out.commit(part.writer, name, record)
+        return name, record

@@ -1,0 +1,252 @@
+"""A run: prepare the job (job.py), see what the output already holds (output/layout.py),
+copy what a previous output can give (reuse.py), hand what is pending to an executor
+(executors/), then write the manifest and _SUCCESS."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from . import __version__, calibration, fidelity
+from .config import JobSpec
+from .embed.matryoshka import column_names
+from .embed.vectors import PACKED, SCALAR
+from .errors import BatchembedError, JobError, RunError
+from .executors.base import engine_key, start_engine
+from .job import Prepared, prepare
+from .output.layout import CALIBRATION, MANIFEST, SUCCESS
+from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
+from .plan import Task, in_shard
+from .reuse import TEXT_HASH, copy_parts
+from .stats import RunResult, Stats
+
+log = logging.getLogger(__name__)
+
+
+def _reporter(bar):
+    """A thread-safe progress callback that feeds the bar rows and tokens/s."""
+    lock = threading.Lock()
+    started = time.perf_counter()
+    tokens = 0
+
+    def progress(step: dict) -> None:
+        nonlocal tokens
+        with lock:  # called from a writer or supervisor thread, not the one that made the bar
+            tokens += step["tokens"]
+            bar.update(step["rows"])
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tok/s", refresh=False)
+
+    return progress
+
+
+def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
+    """Parts are the unit of work: with few per engine, the last ones run while the rest wait."""
+    engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
+    if engines > 1 and len(pending) < 3 * engines:
+        rows = sum(t.num_rows for t in pending)
+        log.warning("%d parts for %d engines: the last parts will run on a few engines while the others "
+                    "wait. output.rows_per_part: %d would give about 4 parts per engine (a part is cut at "
+                    "row-group boundaries, so files need row groups of at most that many rows)",
+                    len(pending), engines, max(1, rows // (4 * engines)))
+
+
+def _execute(p: Prepared, pending: list[Task], progress, engine) -> RunResult:
+    """The executor the job asks for: Ray, engine.data_parallel engine processes, or this process."""
+    if p.spec.executor == "ray":
+        from .executors.ray import run_on_ray
+
+        return run_on_ray(p, pending, progress)
+    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(pending))
+    if replicas > 1:
+        from .executors.processes import run_in_processes
+
+        return run_in_processes(p, pending, progress, replicas)
+    from .executors.local import run_local
+
+    return run_local(p, pending, progress, engine)
+
+
+def _calibrate(p: Prepared, engine):
+    """int8 / uint8: the ranges come before any part, from one engine: the one this run will use
+    when it runs one here, else one started (and closed) for them. Returns (the engine this run
+    keeps, the one it must close, seconds spent starting)."""
+    t0 = time.perf_counter()
+    own = None
+    try:
+        if engine is None:
+            engine = own = start_engine(p)
+        else:
+            fidelity.ensure(p, engine)  # a checked engine calibrates
+        seconds = time.perf_counter() - t0
+        calibration.ensure(p, engine)
+    except BaseException:
+        if own is not None:
+            own.close()
+        raise
+    if own is not None and (p.spec.executor == "ray" or p.spec.engine.data_parallel > 1):
+        own.close()
+        engine = own = None
+    return engine, own, seconds
+
+
+def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: bool = True) -> Stats:
+    """Run a job to completion, resuming what is committed. Pass `engine` to reuse a loaded one.
+
+    Raises JobError (nothing started), or RunError (failed; with on_error: skip, after
+    finishing every readable task and writing a manifest that lists the failures).
+    """
+    started = time.perf_counter()
+    shard = spec.shard_of
+    if overwrite and shard:
+        raise JobError("--overwrite with a shard would let each shard erase the others' parts; "
+                       "run --overwrite once unsharded, or write to a new output.uri")
+    p = prepare(spec)
+    out = p.out
+    if overwrite:
+        out.clear()
+    job = p.fingerprint.with_digest()
+    state = out.state(p.tasks, job, p.failed)
+    stats = Stats(tasks_skipped=len(state.done))
+    for r in state.done.values():
+        stats.add(r)
+    if state.complete:
+        log.info("output %s is complete and current; nothing to do", out.url)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    pending = [t for t in p.tasks if t.index not in state.done and in_shard(t, shard)]
+    _warn_few_parts(p, pending)
+    if pending or shard is None:
+        out.unfinish()
+    if engine is not None and pending and engine.key != (key := engine_key(p)):
+        raise JobError(f"the engine given was built for {engine.key}, the job needs {key}")
+    from tqdm import tqdm
+
+    copied: dict[int, dict] = {}
+    if p.previous is not None and pending:
+        copied, pending = copy_parts(p.previous, pending, out, job)
+    own = None
+    if pending and spec.embedding.output_dtype in SCALAR and calibration.load(p) is None:
+        engine, own, stats.engine_start_seconds = _calibrate(p, engine)
+    bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
+               dynamic_ncols=True, smoothing=0.1)
+    try:
+        result = _execute(p, pending, _reporter(bar), engine) if pending else RunResult()
+    except BatchembedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything else is a failed run, with its cause named
+        raise RunError(f"{type(e).__name__}: {e}") from e
+    finally:
+        bar.close()
+        if own is not None:
+            own.close()
+    index = {out.part_name(t): t.index for t in p.tasks}
+    run_records = {**copied, **{index[name]: r for name, r in result.records.items()}}
+    stats.add_run(list(run_records.values()), result)
+    failed = p.failed + result.failed
+    stats.failed = len(failed)
+    stats.seconds = time.perf_counter() - started
+    records = {**state.done, **run_records}
+    if shard is not None:
+        # Other shards may have committed since this one started: the last to finish finalises.
+        records = {**out.state(p.tasks, job, p.failed).done, **run_records}
+    unfinished = _missing_parts(p, records, failed)
+    if unfinished:
+        log.info("shard %s: its parts are committed; %d parts of other shards are pending, and the last "
+                 "shard to finish (or `batchembed finalize`) writes the manifest", spec.shard, len(unfinished))
+    else:
+        out.remove(state.stale)
+        write_manifest(p, records, stats, failed)
+    if failed:
+        raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
+                       f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
+                       f"{out.url_of(MANIFEST)}, without {SUCCESS}")
+    return stats
+
+
+def finalize_job(spec: JobSpec) -> Stats:
+    """Write the manifest and _SUCCESS of an output whose parts were all committed (by shards)."""
+    p = prepare(spec)
+    state = p.out.state(p.tasks, p.fingerprint.with_digest(), p.failed)
+    missing = _missing_parts(p, state.done, [])
+    if missing:
+        raise RunError(f"{len(missing)} of {len(p.tasks)} parts are not committed yet (e.g. {missing[0]}); "
+                       "run the shards that hold them, then finalize again")
+    stats = Stats(tasks_skipped=len(state.done))
+    for r in state.done.values():
+        stats.add(r)
+    p.out.remove(state.stale)
+    write_manifest(p, state.done, stats, [])
+    return stats
+
+
+def _missing_parts(p: Prepared, records: dict[int, dict], failed: list[dict]) -> list[str]:
+    """Parts neither committed nor recorded as failed: while any remain, no manifest."""
+    failed_parts = {f.get("part") for f in failed}
+    return [name for t in p.tasks if t.index not in records and (name := p.out.part_name(t)) not in failed_parts]
+
+
+def _totals(p: Prepared, records: dict[int, dict]) -> Stats:
+    """Counts over the given commit records; `deleted` against the previous output."""
+    totals = Stats()
+    for r in records.values():
+        totals.add(r)
+    if p.previous is not None:
+        totals.deleted = max(0, p.previous.rows - sum(int(r.get("matched", 0)) for r in records.values()))
+    return totals
+
+
+def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
+    """The manifest, then _SUCCESS, once every task is committed. With failures: the
+    manifest lists them, and no _SUCCESS is written."""
+    missing = _missing_parts(p, records, failed)
+    if missing:
+        raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
+    cal = None
+    if p.spec.embedding.output_dtype in SCALAR:
+        cal = calibration.require(p)
+        other = sorted(r["part"] for r in records.values() if r.get("calibration") != cal.digest)
+        if other:  # shards that calibrated at the same moment, each its own way
+            raise RunError(f"{len(other)} part(s) were written with other int8 ranges than "
+                           f"{CALIBRATION} holds (e.g. {other[0]}); delete them and their "
+                           "commit records, or rerun with --overwrite")
+    totals = _totals(p, records)
+    stats.deleted = totals.deleted
+    spec = p.spec
+    manifest = {
+        "tool": {"name": "batchembed", "version": __version__},
+        "name": spec.name,
+        "created_at": now_utc(),
+        "complete": not failed,
+        "job": p.fingerprint.with_digest(),
+        "format": spec.output.format,
+        "model": {"name": spec.model.name, "hash": p.fingerprint.model_hash, "dimension": p.model.dimension,
+                  "dtype": spec.model.dtype, "max_length": p.max_length, "prefix": spec.model.prefix,
+                  "instruction": spec.model.instruction or None,
+                  "instruction_format": spec.model.instruction_format if spec.model.instruction else None,
+                  "text_prefix": spec.model.text_prefix, "long_text": spec.model.long_text,
+                  "chunk_overlap": spec.model.chunk_overlap if spec.model.long_text == "chunk" else None,
+                  "is_matryoshka": p.model.is_matryoshka},
+        "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
+                      "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
+                      "packed_bits": spec.embedding.output_dtype in PACKED,
+                      "calibration": None if cal is None else {
+                          "file": CALIBRATION, "rows": cal.rows, "digest": cal.digest,
+                          "ranges": {str(d): r.tolist() for d, r in cal.ranges.items()}}},
+        "input": {"uri": spec.input.uri, "text_column": spec.input.text_column, "text_sql": spec.input.text_sql,
+                  "where": spec.input.where, "id_column": spec.input.id_column,
+                  "carry_columns": spec.input.carry_columns, "files": [f.fingerprint for f in p.files]},
+        "counts": {k: getattr(totals, k) for k in (*TOTALS, "deleted")},
+        "incremental": p.previous.summary() if p.previous is not None else None,
+        "fidelity": {"status": "off"} if spec.fidelity_check == "off" else (
+            fidelity.recorded(p) or {"status": "not run", "reason": "no row needed the engine"}),
+        "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
+                   "counts": {k: r.get(k, 0) for k in TOTALS if k != "rows"}}
+                  for t in p.tasks if (r := records.get(t.index))],
+        "failed": failed,
+        "last_run": {**stats.summary(), "throughput": stats.throughput},
+        "token_histogram": {"bin_width": histogram_bin_width(p.max_length),
+                            "counts": add_histograms(records.values())},
+    }
+    p.out.finish(manifest, success=not failed)

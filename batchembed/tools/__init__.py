@@ -1,0 +1,1 @@
+"""Tools that read a finished (or unfinished) output: verify, inspect, report."""

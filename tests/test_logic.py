@@ -1,0 +1,121 @@
+"""The pure logic, without an engine: tasks, shards, rates, commit records, resume state."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from batchembed.inputs.base import InputFile
+from batchembed.output.layout import OutputFolder
+from batchembed.output.records import COUNTS, HISTOGRAM_BINS, commit_record, copied_record
+from batchembed.plan import in_shard, make_tasks
+from batchembed.stats import RunResult, Stats, WorkerReport, combine, steady_rate, throughput
+
+
+def _file(rel: str, groups: tuple[int, ...], etag: str = "e1") -> InputFile:
+    return InputFile(path=f"/in/{rel}", url=f"/in/{rel}", rel=rel, num_rows=sum(groups), row_group_rows=groups,
+                     schema=pa.schema([("text", pa.string())]), fingerprint={"path": f"/in/{rel}", "etag": etag})
+
+
+def test_tasks_cut_files_at_row_groups_and_name_parts_by_file_and_first_group():
+    tasks = make_tasks([_file("a.parquet", (10, 10, 10, 5)), _file("sub/b.parquet", (50,)),
+                        _file("c.parquet", ())], rows_per_part=20)
+    assert [(t.part_id, t.row_groups, t.num_rows, t.first_row) for t in tasks] == [
+        ("part-a-rg00000", (0, 1), 20, 0), ("part-a-rg00002", (2, 3), 15, 20),
+        ("part-sub__b-rg00000", (0,), 50, 0),  # one group larger than a part stays whole
+        ("part-c-rg00000", (), 0, 0)]  # an empty file still gets its (empty) part
+    assert [t.index for t in tasks] == [0, 1, 2, 3]
+    assert tasks[1].input_fingerprint == {"path": "/in/a.parquet", "etag": "e1", "row_groups": [2, 4]}
+
+
+def test_shards_are_disjoint_cover_every_task_and_keep_a_task_where_it_was():
+    tasks = make_tasks([_file(f"f{i:03d}.parquet", (5,)) for i in range(200)], 10)
+    shards = [[t.part_id for t in tasks if in_shard(t, (i, 4))] for i in range(4)]
+    assert sorted(sum(shards, [])) == sorted(t.part_id for t in tasks)
+    assert all(shards)
+    more = make_tasks([_file("extra.parquet", (5,))] + [_file(f"f{i:03d}.parquet", (5,)) for i in range(200)], 10)
+    assert [t.part_id for t in more if in_shard(t, (1, 4)) and t.part_id != "part-extra-rg00000"] == shards[1]
+
+
+def test_steady_rate_counts_only_while_every_engine_runs():
+    a = [(0.0, 1.0, 100), (1.0, 2.0, 100), (2.0, 3.0, 100)]
+    b = [(1.0, 2.0, 300), (2.0, 4.0, 600)]  # starts a second later, ends a second later
+    # from 1.0 (b's first call) to 3.0 (a's last): a 200 tokens, b 300 + half of 600
+    assert steady_rate([a, b]) == pytest.approx((200 + 300 + 300) / 2.0)
+    assert steady_rate([]) is None
+    assert steady_rate([[(0.0, 1.0, 10)], [(2.0, 3.0, 10)]]) is None  # never both running
+
+
+def test_throughput_slices_add_up_to_the_tokens():
+    calls = [[(0.0, 2.0, 200), (2.0, 3.0, 100)], [(0.5, 3.0, 250)]]
+    slices = throughput(calls, slices=6)
+    width = 3.0 / 6
+    assert len(slices) == 6 and sum(rate * width for _, rate in slices) == pytest.approx(550)
+
+
+def test_reports_combine_into_one_result():
+    r1 = WorkerReport(records={"p1": {"rows": 1}}, engine_start_seconds=10.0, engine_seconds=30.0,
+                      calls=[(10.0, 40.0, 3000)])
+    r2 = WorkerReport(records={"p2": {"rows": 2}}, failed=[{"part": "p3"}], engine_start_seconds=12.0,
+                      engine_seconds=20.0, calls=[(12.0, 32.0, 2000)])
+    idle = WorkerReport()  # a worker that found no work started no engine
+    res = combine([r1, r2, idle], wall_seconds=45.0)
+    assert isinstance(res, RunResult)
+    assert res.records == {"p1": {"rows": 1}, "p2": {"rows": 2}} and res.failed == [{"part": "p3"}]
+    assert res.engines == 2 and res.engine_start_seconds == 12.0 and res.pipeline_seconds == 35.0
+    # both ran from 12 to 32: 2/3 of r1's 3,000 tokens and all of r2's 2,000 in 20 s
+    assert res.engine_seconds == 25.0 and res.steady_tokens_per_s == pytest.approx(4000 / 20)
+    assert res.throughput
+
+
+def test_run_stats_count_copied_parts_but_not_their_tokens_as_this_runs_engine_work():
+    embedded = commit_record("part-a-rg00000.parquet", {"rows": 10, "embedded": 10, "tokens": 100}, [0] * 32,
+                             {"path": "a"}, {"digest": "d"})
+    copied = copied_record("part-b-rg00000.parquet", {**embedded, "rows": 5, "tokens": 70}, {"path": "b"},
+                           {"digest": "d"}, "old/part-b")
+    stats = Stats()
+    stats.add_run([embedded, copied], RunResult())
+    assert stats.rows == 15 and stats.tokens == 170 and stats.rows_run == 15 and stats.tokens_run == 100
+
+
+def test_a_copied_record_keeps_every_count_and_the_histogram_of_its_source():
+    hist = list(range(HISTOGRAM_BINS))
+    source = commit_record("part-a-rg00000.parquet", {"rows": 9, "embedded": 6, "deduplicated": 2, "nulls": 1,
+                                                      "tokens": 321, "truncated": 4, "chunked": 2, "empty": 1,
+                                                      "filtered": 3}, hist, {"path": "a"}, {"digest": "old"})
+    rec = copied_record("part-a-rg00000.parquet", source, {"path": "a", "etag": "x"}, {"digest": "new"}, "s3://old/p")
+    assert {k: rec[k] for k in ("tokens", "truncated", "chunked", "nulls", "empty", "filtered")} == {
+        "tokens": 321, "truncated": 4, "chunked": 2, "nulls": 1, "empty": 1, "filtered": 3}
+    assert rec["embedded"] == 0 and rec["deduplicated"] == 0 and rec["reused"] == 8 and rec["matched"] == 9
+    assert rec["length_histogram"] == hist and rec["copied_from"] == "s3://old/p"
+    assert rec["job"] == {"digest": "new"} and rec["input"] == {"path": "a", "etag": "x"}
+    assert set(COUNTS) <= set(rec)
+
+
+def _commit(folder: OutputFolder, task, job: dict) -> None:
+    name = folder.part_name(task)
+    writer = folder.writer(pa.schema([("id", pa.int64())]), "zstd")
+    writer.write(pa.table({"id": list(range(task.num_rows))}))
+    folder.commit(writer, name, commit_record(name, {"rows": task.num_rows}, [0] * HISTOGRAM_BINS,
+                                              task.input_fingerprint, job))
+
+
+def test_resume_state_keeps_current_parts_redoes_changed_ones_and_refuses_another_job(tmp_path):
+    from batchembed.errors import JobError
+
+    job = {"layout": 2, "model_hash": "m", "digest": "d1"}
+    folder = OutputFolder.open(str(tmp_path / "out"))
+    v1 = make_tasks([_file("a.parquet", (4,)), _file("b.parquet", (4,)), _file("c.parquet", (4,))], 10)
+    for t in v1:
+        _commit(folder, t, job)
+    assert sorted(folder.state(v1, job, []).done) == [0, 1, 2]
+    # b changed (new etag), c is gone, d is new
+    v2 = make_tasks([_file("a.parquet", (4,)), _file("b.parquet", (4,), etag="e2"), _file("d.parquet", (4,))], 10)
+    state = folder.state(v2, job, [])
+    assert sorted(state.done) == [0] and not state.complete
+    assert sorted(p.rsplit("/", 1)[-1] for p in state.stale) == ["part-c-rg00000.json", "part-c-rg00000.parquet"]
+    # a part whose record was published but whose file is gone is not done
+    (tmp_path / "out" / "part-a-rg00000.parquet").unlink()
+    assert folder.state(v2, job, []).done == {}
+    with pytest.raises(JobError, match=r"different job \(model_hash: 'm' there, 'other' now"):
+        folder.state(v2, {**job, "model_hash": "other", "digest": "d2"}, [])

@@ -1,0 +1,82 @@
+"""The pipeline around the engine, on a fake engine that implements the real Engine interface
+(tests/fake_engine.py): ordering, deduplication, reuse and the records, in seconds. The
+real engine's own tests are test_run.py and the others."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from fake_engine import FakeEngine, fake_vector
+from helpers import make_job, read_output, write_parquet
+
+from batchembed.embed.tokenizer import Tokenizer
+from batchembed.run import run_job
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+
+@pytest.fixture()
+def fake(model_info):
+    return FakeEngine(model_info, token_budget=300, max_batch_rows=7, rows_per_step=5)
+
+
+def _job(tmp_path, out="out", **sections):
+    return make_job(tmp_path / "in", tmp_path / out, fidelity_check="off", **sections)
+
+
+def test_every_row_gets_its_own_vector_in_input_order(tmp_path, fake, model_info):
+    rng = np.random.default_rng(3)
+    ids, texts = [], []
+    for k in range(3):
+        n = 45 + 10 * k
+        rows = [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 120)))) for _ in range(n)]
+        rows[7] = None
+        write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": [f"{k}-{i}" for i in range(n)], "text": rows,
+                                                          "title": [f"t{k}/{i}" for i in range(n)]}, row_group_size=16)
+        ids += [f"{k}-{i}" for i in range(n)]
+        texts += rows
+    spec = _job(tmp_path, input={"carry_columns": ["title"]}, output={"rows_per_part": 32},
+                engine={"sort_window_rows": 20, "windows_in_flight": 3})
+    stats = run_job(spec, engine=fake, show_progress=False)
+    out = read_output(tmp_path / "out")
+    assert out.column("id").to_pylist() == ids
+    assert out.column("title").to_pylist() == [f"t{i.replace('-', '/')}" for i in ids]
+    tok = Tokenizer(model_info.path, model_info.max_length)
+    emb = out.column("embedding").to_pylist()
+    for i, text in enumerate(texts):
+        if text is None:
+            assert emb[i] is None
+        else:
+            np.testing.assert_allclose(emb[i], fake_vector(tok([text]).ids[0], model_info.dimension), atol=1e-6)
+    assert stats.rows == len(texts) and stats.nulls == 3
+    assert stats.embedded + stats.deduplicated == len(texts) - 3
+    assert not fake.queue and not fake.closed  # a given engine is left open, with nothing queued
+
+
+def test_a_text_seen_in_an_earlier_part_is_not_embedded_again(tmp_path, fake):
+    texts = [f"text {i % 10}" for i in range(40)]  # 10 texts, each 4 times, across 4 parts
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(40)), "text": texts}, row_group_size=10)
+    stats = run_job(_job(tmp_path, output={"rows_per_part": 10}), engine=fake, show_progress=False)
+    assert fake.sequences == 10 and stats.embedded == 10 and stats.deduplicated == 30
+    records = [json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "_commits").glob("*.json"))]
+    assert [r["embedded"] for r in records] == [10, 0, 0, 0]
+
+
+def test_a_reindex_that_copies_every_part_keeps_every_count_and_the_histogram(tmp_path, fake):
+    texts = ["short", "a longer text " * 30, None, "", "short"] * 8 + ["word " * 400] * 2  # truncated rows too
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(len(texts))), "text": texts}, row_group_size=14)
+    run_job(_job(tmp_path, "v1", output={"rows_per_part": 14}), engine=fake, show_progress=False)
+    calls = fake.calls
+    stats = run_job(_job(tmp_path, "v2", output={"rows_per_part": 14}, incremental={"previous": str(tmp_path / "v1")}),
+                    engine=fake, show_progress=False)
+    assert fake.calls == calls and stats.tokens_run == 0 and stats.reused == len(texts) - 8  # 8 null texts
+    v1, v2 = (json.loads((tmp_path / v / "manifest.json").read_text()) for v in ("v1", "v2"))
+    assert v1["counts"]["truncated"] == 2 and v1["counts"]["tokens"] > 0
+    moved = {"embedded", "deduplicated", "reused"}
+    assert {k: v for k, v in v2["counts"].items() if k not in moved} == {
+        k: v for k, v in v1["counts"].items() if k not in moved}
+    assert v2["counts"]["reused"] == v1["counts"]["embedded"] + v1["counts"]["deduplicated"]
+    assert v2["token_histogram"] == v1["token_histogram"] and sum(v1["token_histogram"]["counts"]) > 0
+    assert [p["counts"]["truncated"] for p in v2["parts"]] == [p["counts"]["truncated"] for p in v1["parts"]]
