@@ -14,7 +14,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import BatchembedError, JobError, RunError
+from .errors import BatchembedError, Interrupted, JobError, RunError
 from .logs import setup_logging
 
 log = logging.getLogger("batchembed")
@@ -27,6 +27,9 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except Interrupted as e:
+            click.echo(f"batchembed: {e}", err=True)
+            ctx.exit(e.exit_code)
         except BatchembedError as e:
             click.echo(f"batchembed: error: {e}", err=True)
             ctx.exit(e.exit_code)
@@ -78,8 +81,10 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
       batchembed run job.yaml --shard 3/16     # one of 16 Airflow tasks
       batchembed run job.yaml --set output.uri=s3://b/emb/2026-12-02/ --previous s3://b/emb/2026-12-01/
     """
+    from . import interrupts
     from .run import run_job
 
+    interrupts.install()
     extra = [*([f"shard={shard}"] if shard else []), *([f"incremental.previous={previous}"] if previous else [])]
     spec = _load(job_file, [*overrides, *extra])
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
@@ -122,7 +127,7 @@ def plan(job_file, overrides, as_json):
     """
     from .job import estimate_tokens, prepare
 
-    p = prepare(_load(job_file, overrides))
+    p = prepare(_load(job_file, overrides), check_output=False)  # plan writes nothing, not even a probe
     try:
         state = p.out.state(p.tasks, p.fingerprint.with_digest(), p.failed)
         refused = None
@@ -155,7 +160,7 @@ def plan(job_file, overrides, as_json):
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 def finalize(job_file, overrides):
-    """Write manifest.json and _SUCCESS once every part is committed (after sharded runs).
+    """Write _manifest.json and _SUCCESS once every part is committed (after sharded runs).
 
     The last shard to finish does this by itself; finalize is for when it could
     not (e.g. a shard that skipped a file). Exit 1 while parts are missing.

@@ -110,7 +110,7 @@ class EmbeddingSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    uri: str = Field(description="fsspec directory for the parts, manifest.json and _SUCCESS")
+    uri: str = Field(description="fsspec directory for the parts, _manifest.json and _SUCCESS")
     format: str = Field("parquet", description="the output format (output/__init__.py lists them)")
     storage_options: dict[str, Any] = {}
     rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")

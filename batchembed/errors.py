@@ -1,4 +1,4 @@
-"""The two kinds of failure a user sees, each with its documented exit code."""
+"""The kinds of failure a user sees, each with its documented exit code."""
 
 
 class BatchembedError(Exception):
@@ -15,3 +15,11 @@ class RunError(BatchembedError):
     """The run started and failed; the message says what and where."""
 
     exit_code = 1
+
+
+class Interrupted(BatchembedError):
+    """SIGINT or SIGTERM stopped the run; committed parts are kept. Exit 128 + the signal."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -148,7 +148,7 @@ def _read_inputs(spec: JobSpec):
     files, failed = inspect_inputs(fmt, in_fs, in_root, paths, spec.input, skip_unreadable=spec.on_error == "skip")
     if not files:
         raise RunError(f"no input file could be read ({len(failed)} failed), e.g. {failed[0]['error']}")
-    return fmt, in_fs, files, failed
+    return fmt, in_fs, in_root, files, failed
 
 
 def _fingerprint(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[int]) -> JobFingerprint:
@@ -167,12 +167,14 @@ def _fingerprint(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[in
     )
 
 
-def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
+def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True, warn: bool = True) -> Prepared:
     """Check the job against the model, the input (footers only) and the output location.
 
     Raises JobError (or RunError for input that cannot be read) at the first problem;
     with `all_problems` (validate), every check that does not depend on a failed one
-    runs, and one JobError lists every problem found.
+    runs, and one JobError lists every problem found. `check_output`: the output location
+    must be writable (a probe file on object stores) and apart from the input. `warn`: log
+    the job's warnings (an engine process preparing the job again does not).
     """
     problems: list[str] = []
 
@@ -198,6 +200,9 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
     storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
     read = check(lambda: _read_inputs(spec))
     out = check(lambda: OutputFolder.open(spec.output.uri, spec.output.storage_options, spec.output.format))
+    if out is not None and check_output:
+        if check(lambda: out.check_writable() or True) and read is not None:
+            check(lambda: out.check_apart_from(read[1], read[2], spec.input.uri))
     fp = previous = None
     if model is not None and out is not None:
         fp = _fingerprint(spec, model, max_length, dims)
@@ -207,9 +212,9 @@ def prepare(spec: JobSpec, all_problems: bool = False) -> Prepared:
             previous = check(lambda: open_previous(inc.previous, options, fp, spec.input.id_column, out.url))
     if problems:
         raise JobError(f"{len(problems)} problem(s) with the job:\n  " + "\n  ".join(problems))
-    for w in warnings:
+    for w in warnings if warn else ():
         log.warning(w)
-    fmt, in_fs, files, failed = read
+    fmt, in_fs, _, files, failed = read
     return Prepared(spec, model, max_length, dims, files, make_tasks(files, spec.output.rows_per_part), fmt, in_fs,
                     out, fp, warnings, failed, previous)
 

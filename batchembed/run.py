@@ -5,15 +5,16 @@ copy what a previous output can give (reuse.py), hand what is pending to an exec
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
-from . import __version__, calibration, fidelity
+from . import __version__, calibration, fidelity, interrupts
 from .config import JobSpec
 from .embed.matryoshka import column_names
 from .embed.vectors import PACKED, SCALAR
-from .errors import BatchembedError, JobError, RunError
-from .executors.base import engine_key, start_engine
+from .errors import BatchembedError, Interrupted, JobError, RunError
+from .executors.base import engine_key, release, start_engine
 from .job import Prepared, prepare
 from .output.layout import CALIBRATION, MANIFEST, SUCCESS
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
@@ -90,6 +91,16 @@ def _calibrate(p: Prepared, engine):
     return engine, own, seconds
 
 
+def _stop_if_interrupted(p: Prepared, job: dict) -> None:
+    """Raise Interrupted, saying what is committed, once SIGINT or SIGTERM asked the run to stop."""
+    signum = interrupts.requested()
+    if signum is None:
+        return
+    done = len(p.out.state(p.tasks, job, p.failed).done)
+    raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}: {done} of {len(p.tasks)} parts are "
+                              f"committed in {p.out.url}; run the same command again to resume")
+
+
 def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: bool = True) -> Stats:
     """Run a job to completion, resuming what is committed. Pass `engine` to reuse a loaded one.
 
@@ -132,15 +143,19 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
                dynamic_ncols=True, smoothing=0.1)
     try:
+        _stop_if_interrupted(p, job)
         result = _execute(p, pending, _reporter(bar), engine) if pending else RunResult()
     except BatchembedError:
+        _stop_if_interrupted(p, job)  # an engine that died of the same Ctrl-C is the interruption
         raise
     except Exception as e:  # noqa: BLE001 - anything else is a failed run, with its cause named
+        _stop_if_interrupted(p, job)
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
         bar.close()
         if own is not None:
-            own.close()
+            release(own)
+    _stop_if_interrupted(p, job)
     index = {out.part_name(t): t.index for t in p.tasks}
     run_records = {**copied, **{index[name]: r for name, r in result.records.items()}}
     stats.add_run(list(run_records.values()), result)

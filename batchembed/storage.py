@@ -129,7 +129,9 @@ def _publish(fs, remote_path: str, local_path: str | None = None, data: bytes | 
             fs.pipe_file(remote_path, data)
         return
     fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
-    tmp = f"{remote_path}.tmp-{uuid.uuid4().hex}"
+    # a dot-name, which dataset readers skip: a crash mid-write leaves nothing they would read
+    head, name = os.path.split(remote_path)
+    tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex}")
     with open(tmp, "wb") as f:
         if data is None:
             with open(local_path, "rb") as src:

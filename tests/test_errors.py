@@ -20,7 +20,7 @@ def run_cli(tmp_path, job: dict, *args):
 
 
 def assert_nothing_finished(out_dir):
-    assert not (out_dir / "_SUCCESS").exists() and not (out_dir / "manifest.json").exists()
+    assert not (out_dir / "_SUCCESS").exists() and not (out_dir / "_manifest.json").exists()
 
 
 def test_missing_text_column_lists_the_columns_there_are(tmp_path):
@@ -109,10 +109,30 @@ def test_on_error_skip_finishes_the_rest_records_the_file_and_fails(tmp_path, en
     spec = make_job(tmp_path / "in", tmp_path / "out", on_error="skip")
     with pytest.raises(RunError, match="1 input file.*b.parquet"):
         run_job(spec, engine=engine, show_progress=False)
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert manifest["complete"] is False and manifest["failed"][0]["file"].endswith("b.parquet")
     assert manifest["counts"]["rows"] == 3 and not (tmp_path / "out" / "_SUCCESS").exists()
     # fixed input: the rerun embeds only the file that failed, then finishes
     write_parquet(tmp_path / "in" / "b.parquet", {"id": [9], "text": ["fixed"]})
     stats = run_job(spec, engine=engine, show_progress=False)
     assert stats.tasks_run == 1 and stats.rows == 4 and (tmp_path / "out" / "_SUCCESS").exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_an_output_that_cannot_be_written_or_lies_inside_the_input_is_refused_before_any_engine(tmp_path, command):
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": [1], "text": ["x"]})
+    (tmp_path / "a-file").write_text("not a folder")
+    cases = {tmp_path / "a-file" / "out": "cannot be created: ",  # under a file
+             tmp_path / "in": "is inside the input",  # the same folder
+             tmp_path / "in" / "emb": "is inside the input"}  # a folder inside it
+    for out, says in cases.items():
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(job_dict(tmp_path / "in", out)))
+        args = [command, str(path)] + (["--no-progress"] if command == "run" else [])
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 2, (out, r.output)
+        assert "output.uri: " in r.output and says in r.output and "Traceback" not in r.output, r.output
+        assert not list((tmp_path / "in").rglob("part-*")) and not list((tmp_path / "in").rglob("_*"))
+    # a glob input does not read a folder beside its files
+    path.write_text(yaml.safe_dump(job_dict(tmp_path / "in" / "*.parquet", tmp_path / "in" / "emb")))
+    assert CliRunner().invoke(cli, ["validate", str(path)]).exit_code == 0

@@ -31,7 +31,7 @@ def test_cosine_is_a_cosine_whatever_the_norms():
 def test_agreeing_engine_passes_and_is_recorded(tmp_path, engine):
     write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
     run_job(make_job(tmp_path / "in.parquet", tmp_path / "out"), engine=engine, show_progress=False)
-    f = json.loads((tmp_path / "out" / "manifest.json").read_text())["fidelity"]
+    f = json.loads((tmp_path / "out" / "_manifest.json").read_text())["fidelity"]
     assert f["status"] == "passed" and f["rows"] == 16 and f["min_cosine"] > 0.999
 
 
@@ -55,6 +55,6 @@ def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
         assert not list((tmp_path / "out").glob("part-*")) and not (tmp_path / "out" / "_fidelity.json").exists()
         off = make_job(tmp_path / "in.parquet", tmp_path / "out", model={"name": str(model)}, fidelity_check="off")
         run_job(off, engine=engine, show_progress=False)
-        assert json.loads((tmp_path / "out" / "manifest.json").read_text())["fidelity"] == {"status": "off"}
+        assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["fidelity"] == {"status": "off"}
     finally:
         engine.close()

@@ -40,7 +40,7 @@ def test_unchanged_corpus_makes_no_engine_call_and_gives_identical_vectors(tmp_p
     assert engine.calls == calls
     assert (stats.rows, stats.reused, stats.embedded, stats.deleted, stats.tokens_run) == (200, 200, 0, 0, 0)
     assert read_output(tmp_path / "v2").equals(read_output(tmp_path / "v1"))
-    m = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    m = json.loads((tmp_path / "v2" / "_manifest.json").read_text())
     assert m["incremental"]["previous"].endswith("v1") and m["incremental"]["reuse"] is True
     assert m["counts"]["reused"] == 200 and (tmp_path / "v2" / "_SUCCESS").exists()
 
@@ -69,7 +69,7 @@ def test_changed_rows_are_the_only_ones_embedded(tmp_path, engine):
     assert float(new[5] @ old[5]) < 0.99  # the edited row was really embedded again
     small, small_fresh = _vectors(tmp_path / "v2", "embedding_128"), _vectors(tmp_path / "full", "embedding_128")
     assert all(float(small[i] @ small_fresh[i]) > 0.9999 for i in new)
-    m = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    m = json.loads((tmp_path / "v2" / "_manifest.json").read_text())
     assert {k: m["counts"][k] for k in ("embedded", "reused", "deleted")} == {"embedded": 6, "reused": 195,
                                                                                "deleted": 3}
     # the next snapshot may ask for a smaller dimension: cut from the stored 384 and renormalised
@@ -91,12 +91,12 @@ def test_changed_prefix_or_model_refuses_reuse_and_says_why(tmp_path, engine, ca
     stats = run_job(spec, engine=engine, show_progress=False)
     assert (stats.reused, stats.embedded) == (0, 20)
     assert "prefix differs ('' there, 'passage: ' now)" in caplog.text
-    m = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    m = json.loads((tmp_path / "v2" / "_manifest.json").read_text())
     assert m["incremental"]["reuse"] is False and "prefix" in m["incremental"]["refused"]
     # a previous made by another model: its manifest names another model hash
-    manifest = json.loads((tmp_path / "v1" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "v1" / "_manifest.json").read_text())
     manifest["job"]["model_hash"] = "sha256:0000"
-    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "v1" / "_manifest.json").write_text(json.dumps(manifest))
     spec = make_job(tmp_path / "in", tmp_path / "v3", incremental={"previous": str(tmp_path / "v1")})
     assert run_job(spec, engine=engine, show_progress=False).reused == 0
     assert "model_hash differs ('sha256:0000' there" in caplog.text
@@ -150,7 +150,7 @@ def test_the_dedup_cache_is_bounded(tmp_path, engine):
 
 def test_bad_incremental_settings_are_job_errors(tmp_path, engine):
     _corpus(tmp_path / "in", files=1, rows=5)
-    with pytest.raises(JobError, match="no manifest.json at .*nothing"):
+    with pytest.raises(JobError, match="no _manifest.json at .*nothing"):
         run_job(make_job(tmp_path / "in", tmp_path / "v1", incremental={"previous": str(tmp_path / "nothing")}),
                 engine=engine, show_progress=False)
     with pytest.raises(JobError, match="incremental.previous is output.uri"):

@@ -58,7 +58,7 @@ def test_long_rows_are_chunked_and_pooled_short_rows_are_untouched(tmp_path, eng
     # a chunked vector is not the truncated one
     truncated = st_model.encode([texts[4]], normalize_embeddings=True)[0]
     assert float(np.dot(np.asarray(got[4], np.float32), truncated)) < 0.9
-    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    m = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert m["model"]["long_text"] == "chunk" and m["model"]["chunk_overlap"] == 16
     assert m["counts"]["chunked"] == 3 and m["job"]["long_text"] == "chunk:16"
 

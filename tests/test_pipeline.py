@@ -72,7 +72,7 @@ def test_a_reindex_that_copies_every_part_keeps_every_count_and_the_histogram(tm
     stats = run_job(_job(tmp_path, "v2", output={"rows_per_part": 14}, incremental={"previous": str(tmp_path / "v1")}),
                     engine=fake, show_progress=False)
     assert fake.calls == calls and stats.tokens_run == 0 and stats.reused == len(texts) - 8  # 8 null texts
-    v1, v2 = (json.loads((tmp_path / v / "manifest.json").read_text()) for v in ("v1", "v2"))
+    v1, v2 = (json.loads((tmp_path / v / "_manifest.json").read_text()) for v in ("v1", "v2"))
     assert v1["counts"]["truncated"] == 2 and v1["counts"]["tokens"] > 0
     moved = {"embedded", "deduplicated", "reused"}
     assert {k: v for k, v in v2["counts"].items() if k not in moved} == {

@@ -88,7 +88,7 @@ def test_order_ids_and_carried_columns_across_files_and_row_groups(tmp_path, eng
     for i in (0, 5, 60, len(all_texts) - 1):
         ref = engine.embed(tok([all_texts[i]]).ids)[0]
         assert float(got[i] @ ref) > 0.9999
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert manifest["counts"]["rows"] == len(expected_ids)
     assert len(manifest["parts"]) > 3  # files were split by row groups (rows_per_part=32)
     assert (tmp_path / "out" / "_SUCCESS").exists()
@@ -106,7 +106,7 @@ def test_null_text_keeps_its_row_and_empty_text_is_embedded(tmp_path, engine):
     assert out.schema.field("embedding").type == pa.list_(pa.float16(), 384)
     assert abs(np.linalg.norm(np.asarray(emb[2].values.to_numpy(), np.float32)) - 1) < 1e-2
     assert (stats.rows, stats.embedded, stats.nulls, stats.empty) == (4, 2, 2, 1)
-    counts = json.loads((tmp_path / "out" / "manifest.json").read_text())["counts"]
+    counts = json.loads((tmp_path / "out" / "_manifest.json").read_text())["counts"]
     assert counts["nulls"] == 2 and counts["rows"] == 4
 
 
@@ -114,7 +114,7 @@ def test_manifest_records_model_and_job(tmp_path, engine, model_info):
     write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["hello"]})
     run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", model={"prefix": "passage: "},
                      input={"storage_options": {"secret": "do-not-log"}}), engine=engine, show_progress=False)
-    text = (tmp_path / "out" / "manifest.json").read_text()
+    text = (tmp_path / "out" / "_manifest.json").read_text()
     m = json.loads(text)
     assert "do-not-log" not in text
     assert m["model"]["hash"].startswith("sha256:") and m["model"]["prefix"] == "passage: "
@@ -214,7 +214,7 @@ def test_ray_executor_on_a_local_ray(tmp_path, st_model):
     assert stats.tasks_run == 2 and stats.engines == 1 and stats.rows == 40
     assert (stats.embedded, stats.deduplicated) == (39, 1)
     assert stats.steady_tokens_per_s and stats.engine_seconds > 0 and stats.engine_start_seconds > 0
-    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["last_run"]["throughput"]
+    assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["last_run"]["throughput"]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(40))
     ref = st_model.encode(texts, normalize_embeddings=True)

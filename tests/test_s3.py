@@ -74,7 +74,7 @@ def test_s3_in_and_out_with_env_credentials(tmp_path, s3_env, engine):
     assert stats.rows == 60 and stats.tasks_run == 3
     out = read_s3_output(fs, "corpus/basic/out")
     assert out.column("id").to_pylist() == ids
-    manifest = fs.cat("corpus/basic/out/manifest.json").decode()
+    manifest = fs.cat("corpus/basic/out/_manifest.json").decode()
     assert s3_env.env["AWS_SECRET_ACCESS_KEY"] not in manifest and s3_env.endpoint not in manifest
     assert json.loads(manifest)["input"]["files"][0]["etag"]
     assert fs.exists("corpus/basic/out/_SUCCESS")
@@ -144,6 +144,21 @@ def test_persistent_storage_failure_exits_1_naming_the_url(tmp_path, s3_env):
     msg = str(e.value)
     assert "s3://corpus/dead/out" in msg and "after 2 attempts" in msg
     assert s3_env.env["AWS_SECRET_ACCESS_KEY"] not in msg
+
+
+def test_a_missing_bucket_is_refused_before_any_engine(tmp_path, s3_env):
+    from click.testing import CliRunner
+
+    from batchembed.cli import cli
+
+    pq.write_table(pa.table({"id": [1], "text": ["x"]}), tmp_path / "in.parquet")
+    job = job_dict(tmp_path / "in.parquet", "s3://no-such-bucket/emb/")
+    job["output"]["storage_options"] = {"endpoint_url": s3_env.endpoint}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    for command in (["validate"], ["run", "--no-progress"]):
+        r = CliRunner().invoke(cli, [command[0], str(tmp_path / "job.yaml"), *command[1:]])
+        assert r.exit_code == 2, r.output
+        assert "output.uri: s3://no-such-bucket/emb" in r.output and "'no-such-bucket' does not exist" in r.output
 
 
 def test_kill_9_at_several_points_then_rerun_gives_every_row_exactly_once(tmp_path, s3_env):

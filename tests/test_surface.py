@@ -39,7 +39,7 @@ def test_binary_and_ubinary_match_sentence_transformers_quantisation(tmp_path, e
             assert np.array_equal(got, want), precision
         problems, _ = verify_output(str(out))
         assert problems == []
-        assert json.loads((out / "manifest.json").read_text())["embedding"]["packed_bits"] is True
+        assert json.loads((out / "_manifest.json").read_text())["embedding"]["packed_bits"] is True
 
 
 def test_instruction_goes_before_every_text_like_a_prompt(tmp_path, engine, st_model):
@@ -52,7 +52,7 @@ def test_instruction_goes_before_every_text_like_a_prompt(tmp_path, engine, st_m
     assert float(np.min(np.sum(got * want, axis=1))) > 0.9999
     plain = st_model.encode(TEXTS[:8], normalize_embeddings=True)
     assert float(np.min(np.sum(got * plain, axis=1))) < 0.99  # the instruction really changed the input
-    m = json.loads((tmp_path / "out" / "manifest.json").read_text())["model"]
+    m = json.loads((tmp_path / "out" / "_manifest.json").read_text())["model"]
     assert m["instruction"] == instruction and m["text_prefix"] == f"Instruct: {instruction}\nQuery: "
 
 
@@ -109,7 +109,7 @@ def test_int8_and_uint8_use_one_calibration_for_every_part(tmp_path, engine):
         spec = make_job(tmp_path / "in", out, embedding={**dims, "output_dtype": precision, "calibration_rows": 20})
         run_job(spec, engine=engine, show_progress=False)
         cal = json.loads((out / "_calibration.json").read_text())
-        manifest = json.loads((out / "manifest.json").read_text())
+        manifest = json.loads((out / "_manifest.json").read_text())
         assert cal["rows"] == 20 and manifest["embedding"]["calibration"]["digest"] == cal["digest"]
         t = read_output(out)
         for d in (384, 64):

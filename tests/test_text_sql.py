@@ -42,7 +42,7 @@ def test_text_sql_and_where_embed_the_expression_of_the_kept_rows(tmp_path, engi
     want = st_model.encode(texts, normalize_embeddings=True)
     have = np.asarray([g for i, g in zip(kept, got) if i != 4], dtype=np.float32)
     assert float(np.min(np.sum(have * want, axis=1))) > 0.9999
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     assert manifest["counts"]["filtered"] == 12 - len(kept)
     assert manifest["input"]["text_sql"] == "title || '\n\n' || body" and manifest["input"]["where"] == "lang = 'en'"
     assert manifest["job"]["columns"]["where"] == "lang = 'en'"

@@ -14,9 +14,12 @@ Three things are done on purpose here:
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import itertools
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -67,8 +70,6 @@ _TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/u
 
 def tcmalloc_path() -> str | None:
     """The system's TCMalloc (Debian/Ubuntu: libtcmalloc-minimal4), or None."""
-    import glob
-
     for d in _TCMALLOC_DIRS:
         for pattern in ("libtcmalloc_minimal.so*", "libtcmalloc.so*"):
             found = sorted(f for f in glob.glob(os.path.join(d, pattern)) if "debug" not in f)
@@ -287,11 +288,18 @@ class Engine:
         args.update(spec.vllm_args)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas, env,
                  {k: v for k, v in args.items() if k != "tokenizer"})
+        # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
+        # engine's processes would die of it mid-step, with tracebacks, while this process stops
+        # the run and then them (interrupts.py). Spawned with this set, they block both signals
+        # from their start (batchembed/__init__.py).
+        env = {**env, "BATCHEMBED_ENGINE_PROCESS": "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # read by the engine's processes as they start, in LLM()
         t1 = time.perf_counter()
+        before = set(child_pids(os.getpid()))
         try:
             self.llm = LLM(**args)
+            self.processes = sorted(set(child_pids(os.getpid())) - before)  # the engine's own
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         finally:
@@ -378,6 +386,14 @@ class Engine:
             self.step()
         return pending.matrix()
 
+    def kill(self) -> None:
+        """End the engine's processes at once (SIGKILL, theirs included), then close: for a run that
+        was interrupted, or an engine that is dead or hung. What was queued is lost."""
+        for pid in [q for p in getattr(self, "processes", []) for q in [*descendant_pids(p), p]]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        self.close()
+
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is None:
@@ -399,6 +415,24 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc; elsewhere none)."""
+    pids: list[int] = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError), open(task) as f:
+            pids += [int(x) for x in f.read().split()]
+    return pids
+
+
+def descendant_pids(pid: int) -> list[int]:
+    out, todo = [], child_pids(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += child_pids(p)
+    return out
 
 
 class Pending:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import fidelity
+from .. import fidelity, interrupts
 from ..pipeline import Pipeline
 from ..stats import WorkerReport
 
@@ -36,6 +36,15 @@ def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None) ->
         engine.close()
         raise
     return engine
+
+
+def release(engine) -> None:
+    """Close an engine this run started; after SIGINT / SIGTERM, end its processes at once (their
+    step in flight would be cut short by a graceful shutdown, and complain at length)."""
+    if interrupts.requested():
+        engine.kill()
+    else:
+        engine.close()
 
 
 def engine_key(p: Prepared) -> EngineKey:
@@ -78,5 +87,5 @@ class Worker:
 
     def close(self) -> None:
         if self.own is not None:
-            self.own.close()
+            release(self.own)
             self.own = None

@@ -22,6 +22,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING
 
+from .. import interrupts
 from ..errors import RunError
 from ..logs import json_logging, setup_logging
 from ..stats import RunResult, combine
@@ -95,6 +96,7 @@ def _isolate(replica: int, workdir: str) -> None:
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, tasks_q, results_q,
             start_lock: str, stop, spawned_at: float) -> None:
     _die_with_parent()
+    interrupts.ignore()
     _isolate(replica, os.path.dirname(start_lock))
     setup_logging(log_level, as_json, engine=replica)
     try:
@@ -102,7 +104,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
         from ..job import prepare
         from .base import Worker
 
-        p = prepare(JobSpec.model_validate(spec))
+        p = prepare(JobSpec.model_validate(spec), check_output=False, warn=False)
         serial = contextlib.nullcontext()
         if os.environ.get(SERIAL_START_ENV):
             serial = _FileLock(start_lock)
@@ -168,6 +170,8 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     error = None
     try:
         while len(done) < replicas and error is None:
+            if interrupts.requested() and not stop.is_set():
+                stop.set()  # each worker drops its part in progress, closes its engine and reports
             try:
                 msg = results_q.get(timeout=1.0)
             except queue.Empty:

@@ -16,6 +16,7 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
+from .. import interrupts
 from ..errors import JobError, RunError
 from ..stats import RunResult, WorkerReport, combine
 
@@ -34,7 +35,7 @@ class EngineActor:
         from ..job import prepare
         from .base import Worker
 
-        self.p = prepare(JobSpec.model_validate(spec))
+        self.p = prepare(JobSpec.model_validate(spec), check_output=False, warn=False)
         self.tasks = {t.part_id: t for t in self.p.tasks}
         self.worker = Worker(self.p)
         self.node = socket.gethostname()
@@ -75,6 +76,8 @@ def run_on_ray(p: Prepared, pending: list[Task], progress) -> RunResult:
         pool = ActorPool(actors)
         for out in pool.map_unordered(lambda a, part_id: a.run_part.remote(part_id), [t.part_id for t in pending]):
             log.info("ray: %s committed on node %s", out["part"], out["node"])
+            if interrupts.requested():
+                break  # the parts still running end with their actors, uncommitted
             for record in out["records"].values():
                 progress({"rows": record["rows"], "tokens": record["tokens"]})
         reports = ray.get([a.finish.remote() for a in actors])

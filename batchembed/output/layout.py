@@ -4,8 +4,13 @@
     _commits/<part>.json   a part's commit record (records.py), published after the part
     _calibration.json      int8 / uint8 ranges, made before any part
     _fidelity.json         the fidelity check's result
-    manifest.json          after every part is committed
+    _manifest.json         after every part is committed
     _SUCCESS               last of all: a reader that sees it sees a finished output
+
+Every file that is not data starts with `_` (or `.`, for a file being written), so pyarrow,
+polars, DuckDB and Spark read the folder as a dataset as it is. Outputs made before the
+manifest took its underscore (`manifest.json`) are read as they are, and a run that
+changes one moves its manifest to the new name.
 
 Parts are written by the output format (parquet.py) to a local file and published here in
 one atomic step, then their record. Resume reads the records back (`state`).
@@ -14,12 +19,15 @@ one atomic step, then their record. Resume reads the records back (`state`).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import JobError
+from ..errors import JobError, RunError
 from ..storage import (
     full_url,
     is_local,
@@ -36,7 +44,8 @@ from .base import OutputFormat, PartReader, PartWriter
 
 LAYOUT = 2  # output layout version, part of every job's fingerprint: 2 added text_hash
 COMMITS = "_commits"
-MANIFEST = "manifest.json"
+MANIFEST = "_manifest.json"
+OLD_MANIFEST = "manifest.json"  # layouts before the underscore: read, and moved on the next write
 SUCCESS = "_SUCCESS"
 CALIBRATION = "_calibration.json"
 FIDELITY = "_fidelity.json"
@@ -75,6 +84,53 @@ class OutputFolder:
 
     def url_of(self, name: str) -> str:
         return full_url(self.fs, self.path(name))
+
+    def check_writable(self) -> None:
+        """JobError naming output.uri when parts could not be written here: a local path that
+        cannot be created or written, a bucket or container that does not exist, or a store
+        that refuses a write (a small probe file, written and removed)."""
+        fs, root = self.fs, self.root
+        try:
+            if is_local(fs):
+                at = root
+                while not os.path.exists(at):
+                    at = os.path.dirname(at) or "/"
+                if not os.path.isdir(at):
+                    raise JobError(f"output.uri: {self.url} cannot be created: {at} is a file")
+                if not os.access(at, os.W_OK | os.X_OK):
+                    raise JobError(f"output.uri: {self.url} cannot be created or written: {at} is not writable")
+                return
+            retry(lambda: fs.info(root.split("/", 1)[0]), self.url)  # the bucket: FileNotFoundError if absent
+            probe = self.path(f"_batchembed-probe-{uuid.uuid4().hex}")
+            write_bytes_atomic(fs, probe, b"")  # a store that is down is retried, then RunError
+            remove(fs, probe)
+        except (JobError, RunError):
+            raise
+        except FileNotFoundError as e:
+            bucket = root.split("/", 1)[0]
+            raise JobError(f"output.uri: {self.url}: the bucket or container {bucket!r} does not exist "
+                           f"({e})") from None
+        except Exception as e:  # noqa: BLE001 - a store says no in many ways
+            raise JobError(f"output.uri: {self.url} cannot be written: {type(e).__name__}: {e}") from None
+
+    def check_apart_from(self, in_fs, in_root: str, input_uri: str) -> None:
+        """JobError when the parts would land where the input is read from: the first run would
+        write them into the corpus, and every later run would read them as input."""
+        if type(in_fs) is not type(self.fs) or in_fs.storage_options != self.fs.storage_options:
+            return
+        pattern = in_fs._strip_protocol(input_uri).rstrip("/")
+        probe = self.path(f"part-x{self.fmt.suffix}")
+        if any(c in pattern for c in "*?["):
+            if "**" in pattern:
+                hit = probe.startswith(in_root.rstrip("/") + "/")
+            else:  # segment by segment, as the glob is listed
+                a, b = probe.split("/"), pattern.split("/")
+                hit = len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
+        else:
+            hit = self.root == pattern or self.root.startswith(pattern + "/")
+        if hit:
+            raise JobError(f"output.uri: {self.url} is inside the input ({input_uri}): its parts would be read "
+                           "as input by the next run; write the output elsewhere")
 
     def part_name(self, task) -> str:
         return task.part_id + self.fmt.suffix
@@ -115,7 +171,7 @@ class OutputFolder:
         return read_json(self.fs, self._commit_path(part_name))
 
     def read_manifest(self) -> dict | None:
-        return self.read_json(MANIFEST)
+        return self.read_json(MANIFEST) or self.read_json(OLD_MANIFEST)
 
     def finished(self) -> bool:
         return retry(lambda: self.fs.exists(self.path(SUCCESS)), self.url)
@@ -182,7 +238,7 @@ class OutputFolder:
 
     def unfinish(self) -> None:
         """The output is about to change: it stops looking finished first."""
-        for name in (SUCCESS, MANIFEST):
+        for name in (SUCCESS, MANIFEST, OLD_MANIFEST):
             remove(self.fs, self.path(name))
 
     def finish(self, manifest: dict, success: bool) -> None:
@@ -198,5 +254,6 @@ class OutputFolder:
     def clear(self) -> None:
         """Remove everything batchembed wrote under the root, marker first."""
         commit_paths, part_paths = self.listing()
-        self.remove([self.path(SUCCESS), self.path(MANIFEST), *commit_paths, *sorted(part_paths),
+        self.remove([self.path(SUCCESS), self.path(MANIFEST), self.path(OLD_MANIFEST), *commit_paths,
+                     *sorted(part_paths),
                      self.path(CALIBRATION), self.path(FIDELITY)])

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .. import interrupts
 from .base import name_os_thread
 from .embed import EmbedStage
 from .read import ReadStage
@@ -48,7 +49,7 @@ class Pipeline:
         """Run the tasks `tasks` gives (get_nowait until queue.Empty; it may be shared with other
         pipelines, and so may `stop`). Returns the records of the parts committed by this run;
         raises the first error of any stage."""
-        stop = stop or threading.Event()
+        stop = interrupts.Either(stop or threading.Event(), interrupts.STOP)
         errors: list[BaseException] = []
         q_in: queue.Queue = queue.Queue(maxsize=4)
         q_out: queue.Queue = queue.Queue(maxsize=4)
