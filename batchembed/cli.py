@@ -196,6 +196,8 @@ _storage_option = click.option("--storage-option", "options", multiple=True, met
 def inspect(output_uri, options, as_json):
     """Show what an output holds: rows, columns, dimensions, norm statistics, a few rows, the manifest.
 
+    Exit 0 for a finished output, 1 for one without _SUCCESS (still shown).
+
     \b
       batchembed inspect out/quickstart-emb/
       batchembed inspect s3://corpus/wiki-emb/ --json
@@ -204,6 +206,8 @@ def inspect(output_uri, options, as_json):
 
     info = inspect_output(output_uri, _storage_options(options))
     click.echo(json.dumps(info, indent=2, default=str) if as_json else render(info))
+    if not info["finished"]:
+        raise RunError(f"{output_uri} is not finished (no _SUCCESS): a run is in progress, failed or was stopped")
 
 
 @cli.command()

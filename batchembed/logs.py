@@ -23,6 +23,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class _OthersAtWarning(logging.Filter):
+    """Other libraries' records only from WARNING up (unless DEBUG is asked for), whatever level
+    they set their own loggers to: at INFO, object-store clients log every request (azure-core:
+    every HTTP header) and Ray its start-up."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.others = max(level, logging.WARNING)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.split(".", 1)[0] == "batchembed" or record.levelno >= self.others
+
+
 def setup_logging(level: str | int, as_json: bool = False, engine: int | None = None) -> None:
     """Log to stderr at `level`; `engine` tags the lines of an engine process."""
     level = logging.getLevelName(level.upper()) if isinstance(level, str) else level
@@ -32,6 +45,8 @@ def setup_logging(level: str | int, as_json: bool = False, engine: int | None = 
     else:
         tag = "%(name)s" if engine is None else f"engine-{engine}"
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}: %(message)s"))
+    if level > logging.DEBUG:
+        handler.addFilter(_OthersAtWarning(level))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
     # Set through the environment so the engine's child processes obey it too; a

@@ -36,14 +36,17 @@ class Task:
                 if self.row_groups else [0, 0]}
 
 
-def in_shard(task: Task, shard: tuple[int, int] | None) -> bool:
-    """Deterministic, disjoint assignment of tasks to shards, stable when the corpus
-    changes: by a hash of the part's Parquet name (what it hashed before part ids existed, so
-    a sharded output in progress keeps its assignment), not by position in the listing."""
+def shard_tasks(tasks: list[Task], shard: tuple[int, int] | None) -> list[Task]:
+    """Shard `index` of `count`: deterministic, disjoint, and as even as the tasks allow (shard
+    sizes differ by at most one task). Tasks are dealt round the shards in the order of a hash
+    of their part ids, so big and small files mix, and every shard of a run, planning the
+    same listing, deals the same way."""
     if shard is None:
-        return True
+        return list(tasks)
     index, count = shard
-    return int(hashlib.sha1(f"{task.part_id}.parquet".encode()).hexdigest(), 16) % count == index
+    order = sorted(tasks, key=lambda t: hashlib.sha1(t.part_id.encode()).hexdigest())
+    mine = {t.index for t in order[index::count]}
+    return [t for t in tasks if t.index in mine]
 
 
 def make_tasks(files: list[InputFile], rows_per_part: int) -> list[Task]:

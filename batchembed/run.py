@@ -18,7 +18,7 @@ from .executors.base import engine_key, release, start_engine
 from .job import Prepared, prepare
 from .output.layout import CALIBRATION, MANIFEST, SUCCESS
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
-from .plan import Task, in_shard
+from .plan import Task, shard_tasks
 from .reuse import TEXT_HASH, copy_parts
 from .stats import RunResult, Stats
 
@@ -126,7 +126,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         stats.seconds = time.perf_counter() - started
         return stats
 
-    pending = [t for t in p.tasks if t.index not in state.done and in_shard(t, shard)]
+    pending = [t for t in shard_tasks(p.tasks, shard) if t.index not in state.done]
     _warn_few_parts(p, pending)
     if pending or shard is None:
         out.unfinish()

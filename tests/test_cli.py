@@ -80,3 +80,26 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     ref = st.encode(texts, normalize_embeddings=True)
     got = np.stack(out.column("embedding").to_numpy(zero_copy_only=False))
     assert float((got * ref).sum(axis=1).min()) > 0.9999
+
+
+def test_other_libraries_log_at_warning_unless_debug_is_asked_for():
+    import logging
+
+    from batchembed.logs import setup_logging
+
+    def shown(name: str, level: int) -> bool:
+        record = logging.LogRecord(name, level, __file__, 1, "m", None, None)
+        return logging.getLogger(name).isEnabledFor(level) and all(
+            h.filter(record) for h in logging.getLogger().handlers)
+
+    try:
+        setup_logging("INFO")
+        logging.getLogger("ray").setLevel(logging.INFO)  # as Ray does to its own logger
+        assert shown("batchembed.run", logging.INFO)
+        for name in ("azure.core.pipeline.policies.http_logging_policy", "aiobotocore.credentials", "ray"):
+            assert not shown(name, logging.INFO) and shown(name, logging.WARNING), name
+        setup_logging("DEBUG")
+        assert shown("azure.core", logging.DEBUG) and shown("ray", logging.INFO)
+        assert shown("batchembed.run", logging.DEBUG)
+    finally:
+        setup_logging("WARNING")

@@ -8,7 +8,7 @@ import pytest
 from batchembed.inputs.base import InputFile
 from batchembed.output.layout import OutputFolder
 from batchembed.output.records import COUNTS, HISTOGRAM_BINS, commit_record, copied_record
-from batchembed.plan import in_shard, make_tasks
+from batchembed.plan import make_tasks, shard_tasks
 from batchembed.stats import RunResult, Stats, WorkerReport, combine, steady_rate, throughput
 
 
@@ -28,13 +28,14 @@ def test_tasks_cut_files_at_row_groups_and_name_parts_by_file_and_first_group():
     assert tasks[1].input_fingerprint == {"path": "/in/a.parquet", "etag": "e1", "row_groups": [2, 4]}
 
 
-def test_shards_are_disjoint_cover_every_task_and_keep_a_task_where_it_was():
-    tasks = make_tasks([_file(f"f{i:03d}.parquet", (5,)) for i in range(200)], 10)
-    shards = [[t.part_id for t in tasks if in_shard(t, (i, 4))] for i in range(4)]
-    assert sorted(sum(shards, [])) == sorted(t.part_id for t in tasks)
-    assert all(shards)
-    more = make_tasks([_file("extra.parquet", (5,))] + [_file(f"f{i:03d}.parquet", (5,)) for i in range(200)], 10)
-    assert [t.part_id for t in more if in_shard(t, (1, 4)) and t.part_id != "part-extra-rg00000"] == shards[1]
+@pytest.mark.parametrize("parts,count", [(2, 2), (3, 2), (5, 4), (203, 16)])
+def test_shards_are_disjoint_cover_every_task_and_are_even(parts, count):
+    tasks = make_tasks([_file(f"f{i:03d}.parquet", (5,)) for i in range(parts)], 10)
+    shards = [shard_tasks(tasks, (i, count)) for i in range(count)]
+    assert sorted(t.index for s in shards for t in s) == [t.index for t in tasks]
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1  # two parts, two shards: one each
+    assert all([t.index for t in s] == sorted(t.index for t in s) for s in shards)  # plan order kept
+    assert [t.index for t in shard_tasks(tasks, (0, count))] == [t.index for t in shards[0]]  # the same every time
 
 
 def test_steady_rate_counts_only_while_every_engine_runs():

@@ -240,6 +240,9 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     assert abs(cols["embedding_64"]["norm_min"] - 1) < 1e-3 and len(info["sample"]) == 3
     text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")]).output
     assert "3 rows in 1 parts, finished" in text and "embedding_384" in text
+    (tmp_path / "out" / "_SUCCESS").unlink()  # as a run still in progress leaves it
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")])
+    assert r.exit_code == 1 and "NOT finished" in r.output and "is not finished (no _SUCCESS)" in r.output
 
 
 def test_string_and_large_string_columns_mix_across_files(tmp_path, engine):

@@ -6,6 +6,7 @@ needed columns are read to run, a batch at a time: a file is never in memory who
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,7 +50,10 @@ class ParquetInput:
         except (FileNotFoundError, PermissionError) as e:
             raise JobError(f"input.uri: {uri}: {e}") from None
         if not files:
-            raise JobError(f"input.uri: no Parquet files at {uri}")
+            where = ""
+            if "://" not in uri and not os.path.isabs(os.path.expanduser(uri)):
+                where = f" (a relative path is read from the current folder, {os.getcwd()})"
+            raise JobError(f"input.uri: no Parquet files at {uri}{where}")
         return fs, root, sorted(files)
 
     def read_footer(self, fs, path: str) -> Footer:
