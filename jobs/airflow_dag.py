@@ -1,25 +1,53 @@
-"""Example Airflow DAG: one batchembed job spread over N shards, nightly.
+"""Example Airflow 3 DAG: one batchembed job spread over N shards, nightly.
 
-Each mapped task runs `batchembed run JOB --shard i/N`. Retries are safe: a
-rerun skips every part already committed (resume is the default), so a retried
-or duplicated task never loses or doubles a row. The last shard to finish
-writes manifest.json and _SUCCESS; the `finalize` task makes sure of it and
-fails while any part is missing.
+Each mapped task runs `batchembed run JOB --shard i/N`. Retries are safe: a rerun skips
+every part already committed (resume is the default), so a retried or duplicated task never
+loses or doubles a row. The last shard to finish writes _manifest.json and _SUCCESS; the
+`finalize` task makes sure of it and fails while any part is missing; `verify` reads every
+part back.
 
-Exit codes a scheduler needs: 0 done; 1 the run failed (retry it); 2 the job or
-command line is invalid (nothing was started: retrying will not help, fix the job).
+Exit codes decide retries: 2 means the job or the command line is invalid (nothing was
+started; retrying will not help), so the task fails at once, without retries; 1 (a failed
+run), 130 and 143 (stopped by a signal) are retried, and the retry resumes. When Airflow
+stops a task (a timeout, a kill), batchembed gets SIGTERM, keeps its committed parts and
+exits 143. tests/test_airflow_dag.py imports this file with real Airflow and checks both.
 
-Not tested here (no Airflow in the test environment); the commands it runs are.
+Settings come from the environment of the scheduler and workers, with these defaults.
 """
 
+from __future__ import annotations
+
+import os
+import subprocess
 from datetime import datetime, timedelta
 
-from airflow import DAG
-from airflow.operators.bash import BashOperator
+from airflow.sdk import DAG, task
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-JOB = "/opt/jobs/wiki.yaml"  # a job file like jobs/s3-example.yaml
-SHARDS = 16
-BATCHEMBED = "/opt/batchembed/.venv/bin/batchembed"
+JOB = os.environ.get("BATCHEMBED_JOB", "/opt/jobs/wiki.yaml")  # a job file like jobs/s3-example.yaml
+OUTPUT = os.environ.get("BATCHEMBED_OUTPUT", "s3://corpus/wiki-emb/")  # its output.uri, for verify
+SHARDS = int(os.environ.get("BATCHEMBED_SHARDS", "16"))
+BATCHEMBED = os.environ.get("BATCHEMBED_BIN", "/opt/batchembed/.venv/bin/batchembed")
+
+
+def batchembed(*args: str) -> None:
+    """Run one batchembed command; exit 2 fails the task without retries, any other failure retries."""
+    proc = subprocess.Popen([BATCHEMBED, *args])
+    try:
+        code = proc.wait()
+    except BaseException:  # the task timed out or was killed: let batchembed stop cleanly, parts kept
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    if code == 2:
+        raise AirflowFailException(f"batchembed {args[0]}: the job or command is invalid (exit 2): fix it; "
+                                   "retrying will not help")
+    if code != 0:
+        raise AirflowException(f"batchembed {args[0]} exited {code}; a retry resumes from the committed parts")
+
 
 with DAG(
     dag_id="batchembed_wiki",
@@ -29,15 +57,18 @@ with DAG(
     default_args={"retries": 3, "retry_delay": timedelta(minutes=2), "retry_exponential_backoff": True},
     max_active_tasks=SHARDS,  # one per GPU worker
 ) as dag:
-    shards = BashOperator.partial(
-        task_id="embed",
+
+    @task(execution_timeout=timedelta(hours=6))
+    def embed(shard: str) -> None:
         # one engine per task: give each its own GPU through the worker's CUDA_VISIBLE_DEVICES
-        append_env=True,
-    ).expand(bash_command=[f"{BATCHEMBED} run {JOB} --shard {i}/{SHARDS} --no-progress" for i in range(SHARDS)])
+        batchembed("run", JOB, "--shard", shard, "--no-progress")
 
-    finalize = BashOperator(task_id="finalize", bash_command=f"{BATCHEMBED} finalize {JOB}")
-    verify = BashOperator(task_id="verify",
-                          bash_command=f"{BATCHEMBED} verify s3://corpus/wiki-emb/ --storage-option "
-                                       "endpoint_url=$S3_ENDPOINT", append_env=True)
+    @task
+    def finalize() -> None:
+        batchembed("finalize", JOB)
 
-    shards >> finalize >> verify
+    @task
+    def verify() -> None:
+        batchembed("verify", OUTPUT)
+
+    embed.expand(shard=[f"{i}/{SHARDS}" for i in range(SHARDS)]) >> finalize() >> verify()
