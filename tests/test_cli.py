@@ -59,7 +59,8 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
         write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 30, k * 30 + 30)),
                                                           "text": texts[k * 30:(k + 1) * 30]})
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine={"data_parallel": 2})))
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine={"data_parallel": 2},
+                                           embedding={"dimensions": [384, 64]})))
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         rc = subprocess.run([BIN, "--log-json", "run", str(job)], stdout=out, stderr=err, timeout=400).returncode
     assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
@@ -69,6 +70,8 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     starts = {e["engine"]: e["message"] for e in lines if e["message"].startswith("starting vLLM engine")}
     assert set(starts) == {0, 1}, lines
     assert any(e["level"] == "WARNING" and e["message"].startswith("4 parts for 2 engines") for e in lines)
+    # the job's warnings once, though each engine process prepares the job again
+    assert sum("does not declare Matryoshka" in e["message"] for e in lines) == 1, lines
     assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in starts[0] and "engine 2/2" in starts[1]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
@@ -78,7 +81,7 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
 
     st = SentenceTransformer(str(read_model_info(job_dict("", "")["model"]["name"]).path), device="cpu")
     ref = st.encode(texts, normalize_embeddings=True)
-    got = np.stack(out.column("embedding").to_numpy(zero_copy_only=False))
+    got = np.stack(out.column("embedding_384").to_numpy(zero_copy_only=False))
     assert float((got * ref).sum(axis=1).min()) > 0.9999
 
 
