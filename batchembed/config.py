@@ -134,6 +134,11 @@ class EngineSpec(_Strict):
                                        "eager on CPU")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
+    stall_timeout_s: float | None = Field(None, gt=0, description="an engine that gives back no vector for "
+                                          "this long while work is queued is declared hung and replaced; "
+                                          "default: 10 times the slowest step seen so far, at least 60 s")
+    max_restarts: int = Field(3, ge=0, description="engines replaced in one run (died or hung) before the run "
+                              "stops with exit 1, every committed part kept")
     dedup_cache_mb: int = Field(64, ge=0, description="recent vectors kept by text hash, so a text seen "
                                 "again is not embedded again (identical texts in one window always are "
                                 "embedded once); the one part of the run's memory that grows with the "

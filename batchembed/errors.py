@@ -17,6 +17,10 @@ class RunError(BatchembedError):
     exit_code = 1
 
 
+class EngineFailure(RunError):
+    """The engine died or stopped answering (embed/watchdog.py); a new one may take over."""
+
+
 class Interrupted(BatchembedError):
     """SIGINT or SIGTERM stopped the run; committed parts are kept. Exit 128 + the signal."""
 

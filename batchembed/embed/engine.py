@@ -14,20 +14,19 @@ Three things are done on purpose here:
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import itertools
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import EngineSpec
-from ..errors import RunError
+from ..errors import EngineFailure, RunError
 from ..model import ModelInfo
+from .watchdog import Watchdog, child_pids, kill_tree
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +298,7 @@ class Engine:
         before = set(child_pids(os.getpid()))
         try:
             self.llm = LLM(**args)
-            self.processes = sorted(set(child_pids(os.getpid())) - before)  # the engine's own
+            self.processes = _engine_processes(before)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         finally:
@@ -319,6 +318,7 @@ class Engine:
         self._ids = itertools.count()
         self._slots: dict[str, tuple[Pending, int]] = {}  # request id -> (its submission, position)
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
+        self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s)
 
     def submit(self, token_ids: list[list[int]]) -> "Pending":
         """Queue sequences on the engine and return at once; `step` fills the result.
@@ -329,6 +329,8 @@ class Engine:
         if not token_ids:
             return pending
         self.calls += 1
+        if not self._slots:
+            self.watchdog.progress()  # idle time before this is no stall
         add = self.llm.llm_engine.add_request
         slots, ids, params = self._slots, self._ids, self._params
         for i, seq in enumerate(token_ids):
@@ -350,7 +352,15 @@ class Engine:
             lost = len(self._slots)
             self.abort()
             raise RunError(f"the engine finished its requests but {lost} vectors never came back")
-        for out in engine.step():
+        t0 = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - a dead engine raises many kinds, or was woken by the watchdog
+            raise EngineFailure(self.watchdog.failure or f"{type(e).__name__}: {e}") from e
+        if self.watchdog.failure:  # it gave up on this engine while the step came back
+            raise EngineFailure(self.watchdog.failure)
+        self.watchdog.progress(time.perf_counter() - t0)
+        for out in outputs:
             if not out.finished:
                 continue
             # our ids are digits; newer vLLM may append "-<random>" to the id it reports
@@ -386,18 +396,28 @@ class Engine:
             self.step()
         return pending.matrix()
 
+    def _wake(self, reason: str) -> None:
+        """Wake a step waiting on an engine that will not answer (vLLM's sync client reads its
+        outputs from this queue; a put exception is raised by the step)."""
+        core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        q = getattr(core, "outputs_queue", None)
+        if q is not None:
+            q.put_nowait(EngineFailure(reason))
+        else:
+            log.warning("cannot wake the engine's step on this vLLM version: the run may wait for its socket")
+
     def kill(self) -> None:
         """End the engine's processes at once (SIGKILL, theirs included), then close: for a run that
         was interrupted, or an engine that is dead or hung. What was queued is lost."""
-        for pid in [q for p in getattr(self, "processes", []) for q in [*descendant_pids(p), p]]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(getattr(self, "processes", []))
         self.close()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        self.watchdog.stop()
+        self._slots = {}
         self.llm = None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
@@ -417,22 +437,13 @@ class Engine:
         self.close()
 
 
-def child_pids(pid: int) -> list[int]:
-    """The processes `pid` started (Linux /proc; elsewhere none)."""
-    pids: list[int] = []
-    for task in glob.glob(f"/proc/{pid}/task/*/children"):
-        with contextlib.suppress(OSError), open(task) as f:
-            pids += [int(x) for x in f.read().split()]
-    return pids
+def _engine_processes(before: set[int]) -> list[int]:
+    """The processes an engine build started: this process's new children, less multiprocessing's
+    resource tracker (shared by the whole process, and started lazily, maybe during the build)."""
+    from multiprocessing import resource_tracker
 
-
-def descendant_pids(pid: int) -> list[int]:
-    out, todo = [], child_pids(pid)
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += child_pids(p)
-    return out
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return sorted(p for p in set(child_pids(os.getpid())) - before if p != tracker)
 
 
 class Pending:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import fidelity, interrupts
+from ..errors import EngineFailure, RunError
 from ..pipeline import Pipeline
 from ..stats import WorkerReport
 
@@ -63,7 +64,8 @@ class Worker:
         self.start_lock = start_lock
         self.own = None
         self.start_seconds: float | None = None
-        self.pipeline = Pipeline(p, self._engine)
+        self.restarts = 0
+        self.pipeline = Pipeline(p, self._engine, self._replace)
 
     def _engine(self):
         t0 = time.perf_counter()
@@ -74,6 +76,26 @@ class Worker:
             engine = self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock)
         self.start_seconds = time.perf_counter() - t0
         return engine
+
+    def _replace(self, old, failure: EngineFailure):
+        """A new engine for one that died or hung, up to engine.max_restarts in this worker's life."""
+        limit = self.p.spec.engine.max_restarts
+        if self.given is not None or interrupts.requested():
+            raise failure  # an engine we were handed is not ours to replace; a stopping run stops
+        self.restarts += 1
+        if self.restarts > limit:
+            old.kill()
+            raise RunError(f"the engine failed {self.restarts} times in this run (engine.max_restarts: {limit}), "
+                           f"last: {failure}; committed parts are kept, a rerun resumes")
+        log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, self.restarts,
+                    limit)
+        t0 = time.perf_counter()
+        old.kill()
+        self.own = None
+        self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock)
+        log.warning("engine restarted in %.1f s; the windows it had not finished go to the new one",
+                    time.perf_counter() - t0)
+        return self.own
 
     def run(self, tasks, progress: Callable[[dict], None], stop=None) -> dict[str, dict]:
         """Run what `tasks` gives (get_nowait until queue.Empty); returns the parts committed."""

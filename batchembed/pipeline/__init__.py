@@ -32,11 +32,12 @@ __all__ = ["Pipeline", "name_os_thread"]
 
 
 class Pipeline:
-    def __init__(self, p: Prepared, engine_source: Callable[[], object]):
-        """`engine_source()` gives the engine, on the first window that needs one."""
+    def __init__(self, p: Prepared, engine_source: Callable[[], object], replace_engine=None):
+        """`engine_source()` gives the engine, on the first window that needs one;
+        `replace_engine(engine, failure)` one for an engine that died or hung (embed.py)."""
         self.p = p
         self.reader = ReadStage(p)
-        self.embedder = EmbedStage(p, engine_source)
+        self.embedder = EmbedStage(p, engine_source, replace_engine)
         self.writer = WriteStage(p)
         self.records: dict[str, dict] = {}  # part name -> commit record, over every run
         self.failed: list[dict] = []

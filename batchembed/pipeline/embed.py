@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..embed.batcher import plan_rows
+from ..errors import EngineFailure
 from .base import END, Window, get, put
 
 if TYPE_CHECKING:
@@ -37,10 +38,12 @@ def _waiting(item) -> bool:
 
 
 class EmbedStage:
-    def __init__(self, p: Prepared, engine_source: Callable[[], object]):
+    def __init__(self, p: Prepared, engine_source: Callable[[], object],
+                 replace_engine: Callable[[object, EngineFailure], object] | None = None):
         """`engine_source()` gives the engine, called on the first window that needs one (a run
-        that only reuses vectors never loads it)."""
-        self.p, self.engine_source = p, engine_source
+        that only reuses vectors never loads it). `replace_engine(engine, failure)` gives a new
+        one for an engine that died or hung (or raises); without it the failure ends the run."""
+        self.p, self.engine_source, self.replace_engine = p, engine_source, replace_engine
         self.engine = None
         # what one cached vector costs: its float32 values and CACHE_ENTRY_OVERHEAD
         self.cache_rows = p.spec.engine.dedup_cache_mb * 2**20 // (4 * p.model.dimension + CACHE_ENTRY_OVERHEAD)
@@ -85,12 +88,31 @@ class EmbedStage:
         w.tokens = int(w.tok.lengths[w.todo].sum())
         if not self._on_engine:
             self._busy_since = time.perf_counter()
-        w.pending = engine.submit(w.plan.seqs)
+        try:
+            w.pending = engine.submit(w.plan.seqs)
+        except EngineFailure as e:
+            self._replace(e)
+            w.pending = self.engine.submit(w.plan.seqs)
         self._on_engine.append(w)
+
+    def _replace(self, failure: EngineFailure) -> None:
+        """A new engine for one that died or hung; every window whose vectors had not all come back
+        goes to it whole (vectors that came back from the old one are dropped with it). Nothing
+        was written of those windows, so nothing is written twice."""
+        if self.replace_engine is None:
+            raise failure
+        self.engine = self.replace_engine(self.engine, failure)
+        self._busy_since = time.perf_counter()
+        for w in self._on_engine:
+            w.pending = self.engine.submit(w.plan.seqs)
 
     def _step(self) -> None:
         """One engine step; then close the busy span of each window it finished."""
-        self.engine.step()
+        try:
+            self.engine.step()
+        except EngineFailure as e:
+            self._replace(e)
+            return
         while self._on_engine and self._on_engine[0].pending.done:
             w = self._on_engine.popleft()
             t = time.perf_counter()

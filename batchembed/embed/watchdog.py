@@ -1,0 +1,103 @@
+"""Watching an engine's processes: when one is gone, or no vector has come back for the stall
+timeout while sequences are queued, the engine is declared failed, what is left of its
+processes is killed, and the step waiting on it is woken with the reason (engine.Engine.step
+then raises EngineFailure, and the pipeline starts a new engine: executors/base.py).
+
+vLLM's front end itself waits for ever when its engine process dies by SIGKILL or stops
+(SIGSTOP, or a hung kernel): nothing comes back on its socket, and its step never returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+MIN_STALL_S = 60.0  # the derived stall timeout is never shorter
+STALL_STEPS = 10  # ... nor shorter than this many of the slowest step seen so far
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc; elsewhere none)."""
+    pids: list[int] = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError), open(task) as f:
+            pids += [int(x) for x in f.read().split()]
+    return pids
+
+
+def descendant_pids(pid: int) -> list[int]:
+    out, todo = [], child_pids(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += child_pids(p)
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    """Running or stopped; not gone, and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def kill_tree(pids: list[int]) -> None:
+    """SIGKILL each process and everything it started (children first listed, then the process)."""
+    for pid in [q for p in pids for q in [*descendant_pids(p), p]]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Watchdog:
+    """A thread that checks an engine once a second. `busy()` says whether sequences are queued;
+    `progress()` is called by the engine whenever vectors come back (or work starts)."""
+
+    def __init__(self, pids: list[int], busy, wake, stall_timeout_s: float | None):
+        self.pids, self.busy, self.wake, self.fixed = pids, busy, wake, stall_timeout_s
+        self.failure: str | None = None
+        self.slowest = 0.0
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="batchembed-watchdog", daemon=True)
+        self._thread.start()
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return self.fixed if self.fixed is not None else max(MIN_STALL_S, STALL_STEPS * self.slowest)
+
+    def progress(self, step_seconds: float | None = None) -> None:
+        self._last = time.monotonic()
+        if step_seconds is not None:
+            self.slowest = max(self.slowest, step_seconds)
+
+    def _check(self) -> str | None:
+        gone = [p for p in self.pids if not is_alive(p)]
+        if gone:
+            return f"engine process {gone[0]} is gone"
+        waited = time.monotonic() - self._last
+        if self.busy() and waited > self.stall_timeout_s:
+            return f"no vector came back for {waited:.0f} s with sequences queued (engine.stall_timeout_s: " \
+                   f"{self.stall_timeout_s:.0f})"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            reason = self._check()
+            if reason is not None:
+                self.failure = reason
+                log.warning("engine failed: %s; ending its processes", reason)
+                kill_tree(self.pids)
+                self.wake(reason)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
