@@ -74,8 +74,8 @@ def ensure(p: Prepared, engine) -> Calibration:
         log.warning("int8 calibration from only %d rows; ranges are more stable from more", len(texts))
     log.info("calibrating %s ranges from the first %d rows", p.spec.embedding.output_dtype, len(texts))
     tok = p.tokenizer()(texts)
-    full = embed_rows(engine, tok, np.arange(len(texts)))
-    reduced = reduce(full, p.dimensions)
+    full, ok = embed_rows(engine, tok, np.arange(len(texts)))
+    reduced = reduce(full[ok], p.dimensions)  # rows the engine fails alone have no vector to count
     ranges = {d: np.vstack((m.min(axis=0), m.max(axis=0))).astype(np.float32) for d, m in reduced.items()}
     body = {"ranges": {str(d): r.tolist() for d, r in ranges.items()}, "rows": len(texts)}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]

@@ -91,6 +91,7 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
     s = stats.summary()
     reuse = (f", {s['reused']:,} reused, {s['deleted']:,} deleted" if spec.incremental else "")
     reuse += f"; {s['filtered']:,} input rows left out by input.where" if spec.input.where else ""
+    reuse += f"; {s['failed_rows']:,} rows failed in the engine (_errors/)" if s["failed_rows"] else ""
     click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, "
                f"{s['deduplicated']:,} duplicates{reuse}, {s['nulls']:,} null, "
                f"{s['truncated']:,} truncated), {s['tokens']:,} tokens; this run: {s['tasks_run']} parts, "
@@ -234,8 +235,10 @@ def verify(output_uri, options, as_json):
         if summary:
             norms = (f"{summary['vectors_checked']:,} vectors, max |norm-1| {summary['max_norm_error']:.1e}"
                      if summary["norms_checked"] else "quantised vectors: widths checked, norms not")
+            n = summary["failed_rows"]
+            failed = f", {n:,} rows failed in the engine (_errors/)" if n else ""
             click.echo(f"{'ok' if not problems else 'FAILED'}: {summary['parts']} parts, {summary['rows']:,} rows, "
-                       f"{norms}")
+                       f"{norms}{failed}")
     if problems:
         raise RunError(f"verify: {len(problems)} problem(s) in {output_uri}")
 

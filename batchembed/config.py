@@ -180,6 +180,9 @@ class JobSpec(_Strict):
         "auto", description="auto: when an engine starts, embed the first 16 rows with the engine and with "
         "sentence-transformers (when installed and the model is one) and refuse to run if they disagree")
     fidelity_min_cosine: float = Field(0.98, gt=0, le=1, description="the lowest per-row cosine accepted")
+    max_failed_rows: float = Field(0, ge=0, description="rows the engine may fail (each alone: a null vector "
+                                   "and a line in _errors/) before the run exits 1: a count, or a fraction "
+                                   "of the rows below 1; either way every other row is written")
     executor: Literal["local", "ray"] = "local"
     ray: RaySpec = RaySpec()
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "

@@ -21,6 +21,11 @@ class EngineFailure(RunError):
     """The engine died or stopped answering (embed/watchdog.py); a new one may take over."""
 
 
+class RequestFailure(RunError):
+    """The engine failed some of the sequences it was given (or the step that held them), and
+    is still alive: the rows that fail alone are found by bisection (pipeline/embed.py)."""
+
+
 class Interrupted(BatchembedError):
     """SIGINT or SIGTERM stopped the run; committed parts are kept. Exit 128 + the signal."""
 

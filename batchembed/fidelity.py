@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .embed.batcher import embed_isolating
 from .embed.tokenizer import Tokenizer
 from .errors import RunError
 from .output.layout import FIDELITY
@@ -90,7 +91,10 @@ def check(p: Prepared, engine) -> dict:
         log.warning("fidelity check skipped: %s", reason)
         result.update(status="skipped", reason=reason)
     else:
-        ours = engine.embed(Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
+        ours, bad = embed_isolating(engine, Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
+        if bad:  # rows the engine fails alone are the run's to report (_errors/), not a disagreement
+            ours = np.delete(ours, list(bad), axis=0)
+            texts = [t for i, t in enumerate(texts) if i not in bad]
         theirs = _reference(str(p.model.path), p.max_length).encode(
             [p.spec.model.text_prefix + t for t in texts], normalize_embeddings=True, convert_to_numpy=True,
             show_progress_bar=False)

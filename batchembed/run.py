@@ -172,12 +172,27 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
                  "shard to finish (or `batchembed finalize`) writes the manifest", spec.shard, len(unfinished))
     else:
         out.remove(state.stale)
+        out.drop_error_files(records.values())
         write_manifest(p, records, stats, failed)
     if failed:
         raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
                        f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
                        f"{out.url_of(MANIFEST)}, without {SUCCESS}")
+    _check_failed_rows(p, stats)
     return stats
+
+
+def _allowed_failed_rows(p: Prepared, rows: int) -> int:
+    limit = p.spec.max_failed_rows
+    return int(limit * rows) if 0 < limit < 1 else int(limit)
+
+
+def _check_failed_rows(p: Prepared, stats: Stats) -> None:
+    """RunError (exit 1) naming the error files when more rows failed than max_failed_rows allows."""
+    if stats.failed_rows > _allowed_failed_rows(p, stats.rows):
+        raise RunError(f"{stats.failed_rows:,} rows failed in the engine (max_failed_rows: "
+                       f"{p.spec.max_failed_rows:g}); every other row is written, and the failed ones are listed "
+                       f"in {p.out.url_of('_errors/')}; a rerun tries their parts again")
 
 
 def finalize_job(spec: JobSpec) -> Stats:
@@ -218,6 +233,8 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
     missing = _missing_parts(p, records, failed)
     if missing:
         raise RunError(f"not every part is committed ({len(missing)} missing, e.g. {missing[0]}); no manifest written")
+    totals = _totals(p, records)
+    too_many = totals.failed_rows > _allowed_failed_rows(p, totals.rows)
     cal = None
     if p.spec.embedding.output_dtype in SCALAR:
         cal = calibration.require(p)
@@ -226,14 +243,13 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
             raise RunError(f"{len(other)} part(s) were written with other int8 ranges than "
                            f"{CALIBRATION} holds (e.g. {other[0]}); delete them and their "
                            "commit records, or rerun with --overwrite")
-    totals = _totals(p, records)
     stats.deleted = totals.deleted
     spec = p.spec
     manifest = {
         "tool": {"name": "batchembed", "version": __version__},
         "name": spec.name,
         "created_at": now_utc(),
-        "complete": not failed,
+        "complete": not failed and not too_many,
         "job": p.fingerprint.with_digest(),
         "format": spec.output.format,
         "model": {"name": spec.model.name, "hash": p.fingerprint.model_hash, "dimension": p.model.dimension,
@@ -260,8 +276,11 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                    "counts": {k: r.get(k, 0) for k in TOTALS if k != "rows"}}
                   for t in p.tasks if (r := records.get(t.index))],
         "failed": failed,
+        "failed_rows": {"count": totals.failed_rows, "allowed": _allowed_failed_rows(p, totals.rows),
+                        "files": sorted(p.out.errors_name(r["part"]) for r in records.values()
+                                        if r.get("failed_rows"))},
         "last_run": {**stats.summary(), "throughput": stats.throughput},
         "token_histogram": {"bin_width": histogram_bin_width(p.max_length),
                             "counts": add_histograms(records.values())},
     }
-    p.out.finish(manifest, success=not failed)
+    p.out.finish(manifest, success=not failed and not too_many)

@@ -110,6 +110,7 @@ class Stats:
     nulls: int = 0
     empty: int = 0
     filtered: int = 0  # input rows input.where left out (not in the output)
+    failed_rows: int = 0  # rows the engine failed alone: a null vector, and a line in _errors/
     tasks_run: int = 0
     tasks_skipped: int = 0
     rows_run: int = 0  # written by this run (the counts above include parts done before)

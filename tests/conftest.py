@@ -47,3 +47,12 @@ def s3(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    """The S3 server's endpoint (TEST_S3_ENDPOINT) and credentials in the environment."""
+    monkeypatch.setenv("TEST_S3_ENDPOINT", s3.endpoint)
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    return s3

@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 
 from batchembed.embed.engine import EngineKey, Pending
-from batchembed.errors import RunError
+from batchembed.errors import RequestFailure, RunError
 
 
 def fake_vector(token_ids: list[int], dimension: int) -> np.ndarray:
@@ -24,7 +24,8 @@ def fake_vector(token_ids: list[int], dimension: int) -> np.ndarray:
 
 class FakeEngine:
     def __init__(self, model_info, dtype: str = "float32", max_length: int | None = None,
-                 token_budget: int = 512, max_batch_rows: int = 64, rows_per_step: int = 50):
+                 token_budget: int = 512, max_batch_rows: int = 64, rows_per_step: int = 50,
+                 fail_marker: int | None = None):
         self.key = EngineKey(str(model_info.path), dtype, max_length or model_info.max_length)
         self.dimension = model_info.dimension
         self.token_budget, self.max_batch_rows, self.rows_per_step = token_budget, max_batch_rows, rows_per_step
@@ -32,6 +33,7 @@ class FakeEngine:
         self.calls = 0
         self.sequences = 0  # sequences embedded over the engine's life
         self.closed = False
+        self.fail_marker = fail_marker
 
     def submit(self, token_ids: list[list[int]]) -> Pending:
         pending = Pending(len(token_ids), self.dimension)
@@ -44,6 +46,9 @@ class FakeEngine:
         if not self.queue:
             raise RunError("the engine finished its requests but vectors never came back")
         now, self.queue = self.queue[: self.rows_per_step], self.queue[self.rows_per_step:]
+        if self.fail_marker is not None and any(self.fail_marker in ids for _, _, ids in now):
+            self.queue = []  # the whole step fails, as a real one does on a row it cannot take
+            raise RequestFailure(f"the step failed on token {self.fail_marker}")
         for pending, i, ids in now:
             pending.put(i, fake_vector(ids, self.dimension))
         self.sequences += len(now)

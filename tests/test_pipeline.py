@@ -80,3 +80,42 @@ def test_a_reindex_that_copies_every_part_keeps_every_count_and_the_histogram(tm
     assert v2["counts"]["reused"] == v1["counts"]["embedded"] + v1["counts"]["deduplicated"]
     assert v2["token_histogram"] == v1["token_histogram"] and sum(v1["token_histogram"]["counts"]) > 0
     assert [p["counts"]["truncated"] for p in v2["parts"]] == [p["counts"]["truncated"] for p in v1["parts"]]
+
+
+def test_rows_the_engine_fails_are_found_written_as_null_and_listed(tmp_path, model_info):
+    from batchembed.errors import RunError
+
+    tok = Tokenizer(model_info.path, model_info.max_length)
+    marker = tok(["poison"]).ids[0][1]
+    texts = [f"row {i} is fine" for i in range(60)]
+    texts[13] = "row 13 carries poison"
+    texts[41] = "poison in row 41 too"
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(60)), "text": texts}, row_group_size=20)
+    engine = FakeEngine(model_info, token_budget=300, max_batch_rows=7, rows_per_step=5, fail_marker=marker)
+    spec = _job(tmp_path, output={"rows_per_part": 20})
+    with pytest.raises(RunError, match=r"2 rows failed in the engine \(max_failed_rows: 0\).*_errors/"):
+        run_job(spec, engine=engine, show_progress=False)
+    out = tmp_path / "out"
+    table = read_output(out)
+    assert table.column("id").to_pylist() == list(range(60))  # every other row written
+    emb, hashes = table.column("embedding").to_pylist(), table.column("text_hash").to_pylist()
+    assert [i for i, v in enumerate(emb) if v is None] == [13, 41]
+    assert hashes[13] is None and hashes[41] is None and hashes[12] is not None  # a reindex tries them again
+    np.testing.assert_allclose(emb[12], fake_vector(tok([texts[12]]).ids[0], model_info.dimension), atol=1e-6)
+    errors = [json.loads(ln) for f in sorted((out / "_errors").glob("*.jsonl")) for ln in f.read_text().splitlines()]
+    assert [(e["id"], e["part_row"]) for e in errors] == [(13, 13), (41, 1)]
+    assert all("poison" not in e["error"] and "failed on token" in e["error"] and e["tokens"] > 3 for e in errors)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["counts"]["failed_rows"] == 2 and manifest["complete"] is False
+    assert manifest["failed_rows"]["files"] == ["_errors/part-a-rg00000.jsonl", "_errors/part-a-rg00002.jsonl"]
+    assert not (out / "_SUCCESS").exists()
+    # within the limit the output is finished, the failed rows listed
+    ok = run_job(_job(tmp_path, "out2", output={"rows_per_part": 20}, max_failed_rows=0.05), engine=engine,
+                 show_progress=False)
+    assert ok.failed_rows == 2 and (tmp_path / "out2" / "_SUCCESS").exists()
+    # a rerun once the engine takes the rows redoes only the parts with failed rows
+    healthy = FakeEngine(model_info)
+    again = run_job(spec, engine=healthy, show_progress=False)
+    assert again.failed_rows == 0 and again.tasks_run == 2 and again.tasks_skipped == 1
+    assert (out / "_SUCCESS").exists() and not list((out / "_errors").glob("*"))
+    assert all(v is not None for v in read_output(out).column("embedding").to_pylist())

@@ -67,3 +67,91 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     ref = st_model.encode(texts, normalize_embeddings=True)
     got = np.stack(out.column("embedding").to_numpy(zero_copy_only=False))
     assert float((got * ref).sum(axis=1).min()) > 0.9999
+
+
+def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engine, st_model, monkeypatch):
+    """The real engine adapter, with its test-only switch: a step holding the marked token fails."""
+    from helpers import make_job
+
+    from batchembed.embed.tokenizer import Tokenizer
+    from batchembed.errors import RunError
+    from batchembed.run import run_job
+
+    marker = Tokenizer(engine.key.model_path, 256)(["poison"]).ids[0][1]
+    texts = [f"sentence number {i} about rivers and hills" for i in range(30)]
+    texts[7] = "a poison pill"
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(30)), "text": texts}, row_group_size=10)
+    monkeypatch.setattr(engine, "_reject", marker)
+    with pytest.raises(RunError, match=r"1 rows failed in the engine"):
+        run_job(make_job(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 10}), engine=engine,
+                show_progress=False)
+    out = pq.read_table(tmp_path / "out")
+    assert out.column("id").to_pylist() == list(range(30))
+    emb = out.column("embedding").to_pylist()
+    assert [i for i, v in enumerate(emb) if v is None] == [7]
+    keep = [i for i in range(30) if i != 7]
+    ref = st_model.encode([texts[i] for i in keep], normalize_embeddings=True)
+    assert float((np.asarray([emb[i] for i in keep], np.float32) * ref).sum(axis=1).min()) > 0.9999
+    (errors,) = (tmp_path / "out" / "_errors").glob("*.jsonl")
+    line = json.loads(errors.read_text())
+    assert line["id"] == 7 and "BATCHEMBED_TEST_REJECT_TOKEN" in line["error"]
+    ok = run_job(make_job(tmp_path / "in", tmp_path / "out2", max_failed_rows=1), engine=engine, show_progress=False)
+    assert ok.failed_rows == 1 and (tmp_path / "out2" / "_SUCCESS").exists()
+
+
+def _worker_engine_core(pid: int) -> int | None:
+    """The engine-core process of engine process 0 of an engine.data_parallel run."""
+    workers = [p for p in child_pids(pid) if engine_core(p)]
+    return engine_core(sorted(workers)[0]) if workers else None
+
+
+def test_with_two_engines_on_s3_one_killed_is_replaced_and_the_run_finishes(tmp_path, s3_env):
+    from test_s3 import corpus, read_s3_output, s3_job
+
+    fs = s3_env.fs()
+    ids = corpus(fs, "corpus/heal/in", files=8, rows=60, words=20)
+    job = s3_job("heal", engine={"data_parallel": 2, "sort_window_rows": 30}, fidelity_check="off")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {**os.environ, **s3_env.env, "TEST_S3_ENDPOINT": s3_env.endpoint}
+    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=open(tmp_path / "run.log", "w"), env=env, start_new_session=True, text=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline and not fs.glob("corpus/heal/out/_commits/*.json"):
+        time.sleep(0.2)
+        fs.invalidate_cache()
+    core = _worker_engine_core(proc.pid)
+    assert proc.poll() is None and core, (tmp_path / "run.log").read_text()[-3000:]
+    os.kill(core, signal.SIGKILL)
+    stdout, _ = proc.communicate(timeout=400)
+    text = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "is gone" in text and "engine restarted in" in text
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["engines"] == 2 and summary["tasks_run"] == 8
+    assert read_s3_output(fs, "corpus/heal/out").column("id").to_pylist() == ids  # every row once
+
+
+def test_past_max_restarts_the_run_stops_with_exit_1_and_keeps_its_parts(tmp_path):
+    ids = list(range(400))
+    write_parquet(tmp_path / "in" / "docs.parquet",
+                  {"id": ids, "text": [f"row {i}: " + "engines that keep dying " * 8 for i in ids]}, row_group_size=40)
+    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
+                   engine={"sort_window_rows": 40, "max_restarts": 0}, fidelity_check="off")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    commits = tmp_path / "out" / "_commits"
+    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "run.log", "w"), start_new_session=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
+        time.sleep(0.05)
+    core = engine_core(proc.pid)
+    assert proc.poll() is None and core, (tmp_path / "run.log").read_text()[-3000:]
+    os.kill(core, signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1
+    last = (tmp_path / "run.log").read_text().strip().splitlines()[-1]
+    assert "the engine failed 1 times in this run (engine.max_restarts: 0), last: engine process" in last
+    assert "committed parts are kept" in last
+    parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+    assert parts and parts == sorted(p.name.replace(".json", ".parquet") for p in commits.glob("*.json"))
+    left = subprocess.run(["ps", "-o", "stat=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert [st for st in left if not st.startswith("Z")] == []

@@ -55,14 +55,6 @@ def s3_job(name: str, endpoint: str = "${TEST_S3_ENDPOINT}", **sections) -> dict
     return job
 
 
-@pytest.fixture
-def s3_env(s3, monkeypatch):
-    monkeypatch.setenv("TEST_S3_ENDPOINT", s3.endpoint)
-    for k, v in s3.env.items():
-        monkeypatch.setenv(k, v)
-    return s3
-
-
 def test_s3_in_and_out_with_env_credentials(tmp_path, s3_env, engine):
     from batchembed.config import load_job
 

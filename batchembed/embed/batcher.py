@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import RequestFailure
+
 
 def token_budget_batches(lengths: np.ndarray, token_budget: int, max_rows: int) -> list[np.ndarray]:
     """Split row indices into batches of at most `token_budget` tokens and `max_rows` rows.
@@ -48,6 +50,14 @@ class RowPlan:
     owner: np.ndarray | None = None  # per unordered sequence: its row (chunked windows only)
     lengths: np.ndarray | None = None  # per unordered sequence: its tokens (chunked windows only)
 
+    def failed_rows(self, bad) -> np.ndarray:
+        """bool per row: one of its sequences is among `bad` (positions in `seqs`)."""
+        failed = np.zeros(self.rows, dtype=bool)
+        for k in bad:
+            j = int(self.order[k])
+            failed[j if self.owner is None else int(self.owner[j])] = True
+        return failed
+
     def vectors(self, submitted: np.ndarray) -> np.ndarray:
         """float32 (rows, dimension) L2-normalised rows, from the vectors of `seqs` in order."""
         vectors = np.empty_like(submitted)
@@ -80,7 +90,30 @@ def plan_rows(tok, rows: np.ndarray, token_budget: int, max_rows: int) -> RowPla
     return RowPlan([seqs[j] for j in order], order, len(rows), np.asarray(owner), lengths)
 
 
-def embed_rows(engine, tok, rows: np.ndarray) -> np.ndarray:
-    """Vectors for rows `rows` of a Tokenized, waiting for them: float32 (len(rows), dimension)."""
+def embed_isolating(engine, seqs: list[list[int]]) -> tuple[np.ndarray, dict[int, str]]:
+    """Vectors of `seqs`, waiting for them; where the engine fails a call (RequestFailure), its
+    sequences are embedded again in halves, and halves of halves, until each that fails alone is
+    found. Returns (float32 vectors, zeros where one failed; why each failed, by position). A
+    call with no such sequence costs nothing extra."""
+    vectors = np.zeros((len(seqs), engine.dimension), dtype=np.float32)
+    bad: dict[int, str] = {}
+    todo = [(0, len(seqs))] if seqs else []
+    while todo:
+        lo, hi = todo.pop()
+        try:
+            vectors[lo:hi] = engine.embed(seqs[lo:hi])
+        except RequestFailure as e:
+            if hi - lo == 1:
+                bad[lo] = str(e)
+            else:
+                mid = (lo + hi) // 2
+                todo += [(mid, hi), (lo, mid)]
+    return vectors, bad
+
+
+def embed_rows(engine, tok, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Vectors for rows `rows` of a Tokenized, waiting for them: float32 (len(rows), dimension),
+    and which rows have one (a row the engine fails alone has none)."""
     plan = plan_rows(tok, rows, engine.token_budget, engine.max_batch_rows)
-    return plan.vectors(engine.embed(plan.seqs))
+    vectors, bad = embed_isolating(engine, plan.seqs)
+    return plan.vectors(vectors), ~plan.failed_rows(bad)

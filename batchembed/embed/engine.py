@@ -24,11 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import EngineSpec
-from ..errors import EngineFailure, RunError
+from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo
-from .watchdog import Watchdog, child_pids, kill_tree
+from .watchdog import Watchdog, child_pids, kill_tree, tree
 
 log = logging.getLogger(__name__)
+
+# Tests only: a step holding a sequence with this token id fails, as a step fails on a row the
+# model cannot take (fault injection for the poison-row handling). Unset: no effect.
+REJECT_TOKEN_ENV = "BATCHEMBED_TEST_REJECT_TOKEN"
 
 # On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM
 # reserves; encoders keep no KV cache worth the name, so a small share is plenty
@@ -319,6 +323,9 @@ class Engine:
         self._slots: dict[str, tuple[Pending, int]] = {}  # request id -> (its submission, position)
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
         self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s)
+        reject = os.environ.get(REJECT_TOKEN_ENV)
+        self._reject = int(reject) if reject else None
+        self._rejected: set[str] = set()
 
     def submit(self, token_ids: list[list[int]]) -> "Pending":
         """Queue sequences on the engine and return at once; `step` fills the result.
@@ -336,12 +343,17 @@ class Engine:
         for i, seq in enumerate(token_ids):
             rid = str(next(ids))
             slots[rid] = (pending, i)
+            if self._reject is not None and self._reject in seq:
+                self._rejected.add(rid)
             try:
                 add(rid, self._prompt(seq), params)
             except Exception as e:  # noqa: BLE001 - vLLM validates each request as it is added
                 slots.pop(rid, None)
                 self.abort()
-                raise RunError(f"the engine refused a sequence of {len(seq)} tokens: {type(e).__name__}: {e}") from e
+                if self.watchdog.failure:
+                    raise EngineFailure(self.watchdog.failure) from e
+                raise RequestFailure(f"the engine refused a sequence of {len(seq)} tokens: "
+                                     f"{type(e).__name__}: {e}") from e
         return pending
 
     def step(self) -> None:
@@ -352,6 +364,10 @@ class Engine:
             lost = len(self._slots)
             self.abort()
             raise RunError(f"the engine finished its requests but {lost} vectors never came back")
+        if self._rejected & self._slots.keys():
+            self.abort()
+            raise RequestFailure(f"the step failed on a sequence carrying token {self._reject} "
+                                 f"({REJECT_TOKEN_ENV}, a test's fault injection)")
         t0 = time.perf_counter()
         try:
             outputs = engine.step()
@@ -370,7 +386,8 @@ class Engine:
             pending, i = slot
             if getattr(out, "error", None) is not None:
                 self.abort()
-                raise RunError(f"engine failed a request ({len(out.prompt_token_ids)} tokens): {out.error}")
+                raise RequestFailure(f"the engine failed a request of {len(out.prompt_token_ids)} tokens: "
+                                     f"{out.error}")
             data = out.outputs.data
             # The per-token bug: a missing pooling task yields (tokens, hidden) per row.
             if tuple(data.shape) != (self.dimension,):
@@ -381,6 +398,7 @@ class Engine:
 
     def abort(self) -> None:
         """Drop every queued sequence (after a failure, so a reused engine starts clean)."""
+        self._rejected.clear()
         if self._slots:
             ids, self._slots = list(self._slots), {}
             try:
@@ -437,13 +455,15 @@ class Engine:
         self.close()
 
 
-def _engine_processes(before: set[int]) -> list[int]:
-    """The processes an engine build started: this process's new children, less multiprocessing's
-    resource tracker (shared by the whole process, and started lazily, maybe during the build)."""
+def _engine_processes(before: set[int]) -> list[tuple[int, str]]:
+    """The processes an engine build started, with theirs (vLLM's workers), as identities (pid,
+    start time): this process's new children, less multiprocessing's resource tracker (shared by
+    the whole process, and started lazily, maybe during the build). Kept whole, since a child of
+    an engine process that dies is handed to another parent, where it would not be found."""
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return sorted(p for p in set(child_pids(os.getpid())) - before if p != tracker)
+    return tree(sorted(p for p in set(child_pids(os.getpid())) - before if p != tracker))
 
 
 class Pending:
@@ -452,6 +472,14 @@ class Pending:
     def __init__(self, rows: int, dimension: int):
         self.rows, self.dimension, self.left = rows, dimension, rows
         self._parts: list = [None] * rows
+
+    @classmethod
+    def filled(cls, matrix: np.ndarray) -> "Pending":
+        """A submission whose vectors are all there already."""
+        pending = cls(len(matrix), matrix.shape[1])
+        for i, row in enumerate(matrix):
+            pending.put(i, row)
+        return pending
 
     @property
     def done(self) -> bool:

@@ -41,28 +41,47 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
-def is_alive(pid: int) -> bool:
-    """Running or stopped; not gone, and not a zombie waiting to be reaped."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
 
 
-def kill_tree(pids: list[int]) -> None:
-    """SIGKILL each process and everything it started (children first listed, then the process)."""
-    for pid in [q for p in pids for q in [*descendant_pids(p), p]]:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+def identity(pid: int) -> tuple[int, str] | None:
+    """(pid, start time): a process, told apart from a later one that reuses its pid."""
+    st = _stat(pid)
+    return (pid, st[19]) if st else None
+
+
+def is_alive(proc: tuple[int, str]) -> bool:
+    """Running or stopped; not gone, not a zombie waiting to be reaped, not another process now."""
+    st = _stat(proc[0])
+    return st is not None and st[0] not in ("Z", "X") and st[19] == proc[1]
+
+
+def tree(pids: list[int]) -> list[tuple[int, str]]:
+    """Each process and everything it started, as identities."""
+    return [i for p in pids for q in [p, *descendant_pids(p)] if (i := identity(q)) is not None]
+
+
+def kill_tree(procs: list[tuple[int, str]]) -> None:
+    """SIGKILL each process that is still itself, and whatever it started since."""
+    for proc in procs:
+        if is_alive(proc) or (_stat(proc[0]) or [""])[0] == "Z":
+            for pid in [*descendant_pids(proc[0]), proc[0]]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 class Watchdog:
     """A thread that checks an engine once a second. `busy()` says whether sequences are queued;
     `progress()` is called by the engine whenever vectors come back (or work starts)."""
 
-    def __init__(self, pids: list[int], busy, wake, stall_timeout_s: float | None):
-        self.pids, self.busy, self.wake, self.fixed = pids, busy, wake, stall_timeout_s
+    def __init__(self, procs: list[tuple[int, str]], busy, wake, stall_timeout_s: float | None):
+        self.procs, self.busy, self.wake, self.fixed = procs, busy, wake, stall_timeout_s
         self.failure: str | None = None
         self.slowest = 0.0
         self._last = time.monotonic()
@@ -80,9 +99,9 @@ class Watchdog:
             self.slowest = max(self.slowest, step_seconds)
 
     def _check(self) -> str | None:
-        gone = [p for p in self.pids if not is_alive(p)]
+        gone = [p for p in self.procs if not is_alive(p)]
         if gone:
-            return f"engine process {gone[0]} is gone"
+            return f"engine process {gone[0][0]} is gone"
         waited = time.monotonic() - self._last
         if self.busy() and waited > self.stall_timeout_s:
             return f"no vector came back for {waited:.0f} s with sequences queued (engine.stall_timeout_s: " \
@@ -95,7 +114,7 @@ class Watchdog:
             if reason is not None:
                 self.failure = reason
                 log.warning("engine failed: %s; ending its processes", reason)
-                kill_tree(self.pids)
+                kill_tree(self.procs)
                 self.wake(reason)
                 return
 

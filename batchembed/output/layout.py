@@ -2,6 +2,7 @@
 
     part-<input file>-rg<first block>.parquet   the vectors, next to the ids and carried columns
     _commits/<part>.json   a part's commit record (records.py), published after the part
+    _errors/<part>.jsonl   the rows of a part the engine failed, one JSON line each, before it
     _calibration.json      int8 / uint8 ranges, made before any part
     _fidelity.json         the fidelity check's result
     _manifest.json         after every part is committed
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import os
 import tempfile
 import uuid
@@ -44,6 +46,7 @@ from .base import OutputFormat, PartReader, PartWriter
 
 LAYOUT = 2  # output layout version, part of every job's fingerprint: 2 added text_hash
 COMMITS = "_commits"
+ERRORS = "_errors"
 MANIFEST = "_manifest.json"
 OLD_MANIFEST = "manifest.json"  # layouts before the underscore: read, and moved on the next write
 SUCCESS = "_SUCCESS"
@@ -138,6 +141,9 @@ class OutputFolder:
     def _commit_path(self, part_name: str) -> str:
         return self.path(f"{COMMITS}/{part_name[: -len(self.fmt.suffix)]}.json")
 
+    def errors_name(self, part_name: str) -> str:
+        return f"{ERRORS}/{part_name[: -len(self.fmt.suffix)]}.jsonl"
+
     # --- reading ---------------------------------------------------------------------------
 
     def listing(self) -> tuple[list[str], set[str]]:
@@ -151,6 +157,11 @@ class OutputFolder:
             return commits, parts
 
         return retry(go, self.url)
+
+    def error_files(self) -> list[str]:
+        fs, root = self.fs, self.root
+        return retry(lambda: fs.glob(f"{root}/{ERRORS}/part-*.jsonl") if fs.exists(f"{root}/{ERRORS}") else [],
+                     self.url)
 
     def part_names(self) -> list[str]:
         """The parts present, by name, sorted."""
@@ -191,19 +202,23 @@ class OutputFolder:
                            f"({_job_diff(theirs, current)}); rerun with --overwrite to replace them, "
                            "or write to a new output.uri")
         by_part = {r["part"]: r for r in records}
+        finished = manifest is not None and self.finished()
         done = {}
         for t in tasks:
             name = self.part_name(t)
             r = by_part.get(name)
-            if r and r.get("input") == t.input_fingerprint and self.path(name) in part_paths:
+            # a part with rows the engine failed is tried again, unless the output was finished with them
+            if (r and r.get("input") == t.input_fingerprint and self.path(name) in part_paths
+                    and (finished or not r.get("failed_rows"))):
                 done[t.index] = r
         names = {self.part_name(t) for t in tasks}
         live = {self.path(n) for n in names}
         # commit records go before their parts, so a part never outlives its record unnoticed
         stale = [c for c in commit_paths if c.rsplit("/", 1)[-1][: -len(".json")] + self.fmt.suffix not in names]
         stale += sorted(x for x in part_paths if x not in live)
-        complete = (manifest is not None and self.finished() and len(done) == len(tasks) and not stale
-                    and not failed_inputs)
+        with_errors = {self.path(self.errors_name(r["part"])) for r in records if r.get("failed_rows")}
+        stale += [e for e in self.error_files() if e not in with_errors]
+        complete = finished and len(done) == len(tasks) and not stale and not failed_inputs
         return OutputState(done, stale, complete)
 
     # --- writing ---------------------------------------------------------------------------
@@ -211,10 +226,14 @@ class OutputFolder:
     def writer(self, schema, compression: str) -> PartWriter:
         return self.fmt.writer(schema, compression)
 
-    def commit(self, writer: PartWriter, part_name: str, record: dict) -> None:
-        """Publish a written part, then its commit record. Either may be retried; both are idempotent."""
+    def commit(self, writer: PartWriter, part_name: str, record: dict, errors: list[dict] | None = None) -> None:
+        """Publish a written part (its error file first, when the engine failed rows of it), then its
+        commit record. Each may be retried; all are idempotent."""
         writer.close()
         try:
+            if errors:
+                lines = "".join(json.dumps(e, default=str) + "\n" for e in errors)
+                write_bytes_atomic(self.fs, self.path(self.errors_name(part_name)), lines.encode())
             put_file_atomic(self.fs, writer.local_path, self.path(part_name))
             self.write_commit(part_name, record)
         finally:
@@ -236,6 +255,11 @@ class OutputFolder:
                 retry(lambda: src.fs.get_file(a, f"{d}/part"), full_url(src.fs, a))
                 put_file_atomic(self.fs, f"{d}/part", b)
 
+    def drop_error_files(self, records) -> None:
+        """Remove error files of parts whose current record has no failed rows (redone since)."""
+        keep = {self.path(self.errors_name(r["part"])) for r in records if r.get("failed_rows")}
+        self.remove([e for e in self.error_files() if e not in keep])
+
     def unfinish(self) -> None:
         """The output is about to change: it stops looking finished first."""
         for name in (SUCCESS, MANIFEST, OLD_MANIFEST):
@@ -255,5 +279,5 @@ class OutputFolder:
         """Remove everything batchembed wrote under the root, marker first."""
         commit_paths, part_paths = self.listing()
         self.remove([self.path(SUCCESS), self.path(MANIFEST), self.path(OLD_MANIFEST), *commit_paths,
-                     *sorted(part_paths),
+                     *sorted(part_paths), *self.error_files(),
                      self.path(CALIBRATION), self.path(FIDELITY)])

@@ -45,6 +45,7 @@ class Window:
     plan: RowPlan | None = None
     pending: "Pending | None" = None
     borrowed: list = field(default_factory=list)  # (unique index, earlier Window, its unique index)
+    failed: dict[int, str] = field(default_factory=dict)  # unique index -> why the engine failed it
 
 
 def put(q: queue.Queue, item, stop) -> bool:

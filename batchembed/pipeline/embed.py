@@ -10,6 +10,7 @@ embedded again.
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections import OrderedDict, deque
@@ -19,12 +20,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from ..embed.batcher import plan_rows
-from ..errors import EngineFailure
+from ..embed.batcher import embed_isolating, plan_rows
+from ..embed.engine import Pending
+from ..errors import EngineFailure, RequestFailure
 from .base import END, Window, get, put
 
 if TYPE_CHECKING:
     from ..job import Prepared
+
+log = logging.getLogger(__name__)
 
 # Bytes a cached vector costs beyond its values: the ndarray's header, the OrderedDict's node
 # and the int key (measured with tracemalloc on Python 3.11).
@@ -93,6 +97,11 @@ class EmbedStage:
         except EngineFailure as e:
             self._replace(e)
             w.pending = self.engine.submit(w.plan.seqs)
+        except RequestFailure as e:
+            self._on_engine.append(w)
+            self._isolate(e)
+            self._collect()
+            return
         self._on_engine.append(w)
 
     def _replace(self, failure: EngineFailure) -> None:
@@ -113,6 +122,12 @@ class EmbedStage:
         except EngineFailure as e:
             self._replace(e)
             return
+        except RequestFailure as e:
+            self._isolate(e)
+        self._collect()
+
+    def _collect(self) -> None:
+        """Close the busy span of each window whose vectors have all come back, oldest first."""
         while self._on_engine and self._on_engine[0].pending.done:
             w = self._on_engine.popleft()
             t = time.perf_counter()
@@ -122,6 +137,21 @@ class EmbedStage:
             self.engine_seconds += t - self._busy_since
             self._busy_since = t
 
+    def _isolate(self, failure: RequestFailure) -> None:
+        """The engine failed a step or a request of the windows on it (they were all aborted): each
+        window is embedded again in halves, and halves of halves, until every sequence that fails
+        alone is found; the rest get their vectors. A window with no such sequence costs one call."""
+        log.warning("engine: %s; finding the rows that fail by bisection", failure)
+        for w in self._on_engine:
+            vectors, bad = embed_isolating(self.engine, w.plan.seqs)
+            w.pending = Pending.filled(vectors)
+            reason = next(iter(bad.values()), "")
+            for row in np.flatnonzero(w.plan.failed_rows(bad)):  # a chunked row fails with any chunk
+                w.failed[int(w.todo[row])] = reason
+            if bad:
+                log.warning("engine: %d sequence(s) of a window fail alone; their rows get null vectors and go "
+                            "to the output's error file", len(bad))
+
     def _finish_window(self, w: Window) -> None:
         """The window's vectors, once the engine has them all. Windows finish in order, so a
         window borrowed from has finished before the one borrowing."""
@@ -129,11 +159,14 @@ class EmbedStage:
             w.full[w.todo] = w.plan.vectors(w.pending.matrix())
         for i, src, j in w.borrowed:
             w.full[i] = src.full[j]
+            if j in src.failed:
+                w.failed[i] = src.failed[j]
         cache, coming = self.cache, self._coming
         if cache is not None:
             for i in w.todo.tolist():
                 h = int(w.uniq[i])
-                cache[h] = w.full[i].copy()
+                if i not in w.failed:  # a failed text is tried again when it comes back
+                    cache[h] = w.full[i].copy()
                 if coming.get(h, (None,))[0] is w:
                     del coming[h]
             while len(cache) > self.cache_rows:

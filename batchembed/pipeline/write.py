@@ -31,6 +31,7 @@ class _Part:
         self.task, self.writer = task, writer
         self.counts = empty_counts()
         self.histogram = np.zeros(HISTOGRAM_BINS, dtype=np.int64)
+        self.errors: list[dict] = []  # rows the engine failed: their id, row in the part, reason, tokens
 
 
 class WriteStage:
@@ -75,15 +76,27 @@ class WriteStage:
 
     def _write(self, part: _Part, batch: pa.RecordBatch, w) -> dict:
         p = self.p
+        valid = w.valid
+        if w.failed:  # null vector, and no text hash: a reindex embeds the row again
+            failed = np.zeros(len(w.uniq), dtype=bool)
+            failed[list(w.failed)] = True
+            rows = w.need[failed[w.inverse]]
+            valid = valid.copy()
+            valid[rows] = False
+            ids = batch.column(p.spec.input.id_column).to_pylist() if p.spec.input.id_column else None
+            for r in rows.tolist():
+                u = int(w.inverse[np.searchsorted(w.need, r)])
+                part.errors.append({"id": ids[r] if ids else None, "part_row": part.writer.rows + r,
+                                    "error": w.failed[u], "tokens": int(w.tok.lengths[u])})
         arrays = [batch.column(c) for c in self.keep]
-        arrays.append(pa.array(w.hashes, type=pa.uint64(), mask=~w.valid))
+        arrays.append(pa.array(w.hashes, type=pa.uint64(), mask=~valid))
         embedded = reduce(w.full[w.inverse], p.dimensions)
         for d in p.dimensions:
             matrix = np.zeros((batch.num_rows, d), dtype=np.float32)
             matrix[w.need] = embedded[d]
             if len(w.reuse):
                 matrix[w.reuse] = w.reused[d]
-            arrays.append(vector_array(matrix, w.valid, p.spec.embedding.output_dtype,
+            arrays.append(vector_array(matrix, valid, p.spec.embedding.output_dtype,
                                        self.calibration.ranges[d] if self.calibration else None))
         # by name, then cast by the writer: a carried column may be large_string in one file
         # and string in another
@@ -91,7 +104,8 @@ class WriteStage:
         step = dict(rows=batch.num_rows, embedded=w.embedded, reused=len(w.reuse),
                     deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
                     truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
-                    chunked=w.chunked, empty=w.empty, filtered=w.filtered)
+                    chunked=w.chunked, empty=w.empty, filtered=w.filtered,
+                    failed_rows=int((w.valid & ~valid).sum()))
         for k in COUNTS:
             part.counts[k] += step[k]
         if len(w.inverse):
@@ -107,5 +121,5 @@ class WriteStage:
         name = self.p.out.part_name(task)
         extra = {"calibration": self.calibration.digest} if self.calibration is not None else {}
         record = commit_record(name, counts, part.histogram, task.input_fingerprint, self.job, **extra)
-        self.p.out.commit(part.writer, name, record)
+        self.p.out.commit(part.writer, name, record, part.errors)
         return name, record

@@ -71,7 +71,8 @@ def render(info: dict) -> str:
                      f"made {m.get('created_at')} by batchembed {m['tool']['version']}")
         c = m["counts"]
         lines.append(f"counts: {c['rows']:,} rows, {c['embedded']:,} embedded, {c['nulls']:,} null, "
-                     f"{c['truncated']:,} truncated, {c['tokens']:,} tokens")
+                     f"{c['truncated']:,} truncated, {c['tokens']:,} tokens, "
+                     f"{c.get('failed_rows', 0):,} failed in the engine (_errors/)")
     lines.append("")
     lines.append(f"{'column':<24} {'type':<40} {'norm min':>9} {'norm mean':>9} {'norm max':>9}")
     for col in info["columns"]:

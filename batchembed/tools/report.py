@@ -172,6 +172,7 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
     title = f"batchembed report: {manifest['name']}"
     facts = [("output", out.url), ("model", manifest["model"].get("name")),
              ("rows", f"{counts['rows']:,}"), ("embedded", f"{counts.get('embedded', 0):,}"),
+             ("failed in the engine", f"{counts.get('failed_rows', 0):,} (listed in _errors/)"),
              ("dimensions", ", ".join(str(d) for d in sorted(columns, reverse=True))),
              ("stored as", emb["output_dtype"]), ("made", manifest.get("created_at")),
              ("complete", str(manifest.get("complete")))]

@@ -63,5 +63,6 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
     if rows != manifest["counts"]["rows"]:
         problems.append(f"parts hold {rows} rows, the manifest counts {manifest['counts']['rows']}")
     summary = {"output": uri, "parts": len(listed), "rows": rows, "vectors_checked": vectors,
+               "failed_rows": manifest["counts"].get("failed_rows", 0),
                "max_norm_error": worst, "norms_checked": not quantized, "ok": not problems}
     return problems, summary
