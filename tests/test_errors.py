@@ -136,3 +136,13 @@ def test_an_output_that_cannot_be_written_or_lies_inside_the_input_is_refused_be
     # a glob input does not read a folder beside its files
     path.write_text(yaml.safe_dump(job_dict(tmp_path / "in" / "*.parquet", tmp_path / "in" / "emb")))
     assert CliRunner().invoke(cli, ["validate", str(path)]).exit_code == 0
+
+
+def test_a_relative_input_path_not_found_names_the_folder_it_was_read_from(tmp_path, monkeypatch):
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job_dict("data/corpus/", str(tmp_path / "out"))))
+    r = CliRunner().invoke(cli, ["validate", str(tmp_path / "job.yaml")])
+    assert r.exit_code == 2
+    assert f"input.uri: no Parquet files at data/corpus/ (a relative path is read from the current folder, " \
+           f"{tmp_path / 'elsewhere'})" in r.output

@@ -155,3 +155,29 @@ def test_past_max_restarts_the_run_stops_with_exit_1_and_keeps_its_parts(tmp_pat
     assert parts and parts == sorted(p.name.replace(".json", ".parquet") for p in commits.glob("*.json"))
     left = subprocess.run(["ps", "-o", "stat=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert [st for st in left if not st.startswith("Z")] == []
+
+
+def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
+    """SIGKILL of the batchembed process alone (the OOM killer's pick): its engine processes go too."""
+    ids = list(range(400))
+    write_parquet(tmp_path / "in" / "docs.parquet",
+                  {"id": ids, "text": [f"row {i}: " + "an orphaned engine holds memory " * 8 for i in ids]},
+                  row_group_size=40)
+    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, fidelity_check="off")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    commits = tmp_path / "out" / "_commits"
+    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "run.log", "w"), start_new_session=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
+        time.sleep(0.05)
+    core = engine_core(proc.pid)
+    assert proc.poll() is None and core, (tmp_path / "run.log").read_text()[-3000:]
+    engine = [core, *child_pids(core)]
+    assert len(engine) >= 2  # the engine core and its worker
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_comm(p).startswith("VLLM") for p in engine):
+        time.sleep(0.2)
+    assert not any(_comm(p).startswith("VLLM") for p in engine), "the engine outlived its run"

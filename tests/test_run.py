@@ -199,7 +199,7 @@ def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
         run_job(sharded[0], engine=engine, overwrite=True, show_progress=False)
 
 
-def test_ray_executor_on_a_local_ray(tmp_path, st_model):
+def test_ray_executor_on_a_local_ray(tmp_path, st_model, caplog):
     """executor: ray, one engine actor on a local Ray instance: same rows, same vectors, same commits;
     the actor keeps one pipeline, so a text of the first part is not embedded again in the second,
     and it reports its engine's throughput like the other executors."""
@@ -210,9 +210,12 @@ def test_ray_executor_on_a_local_ray(tmp_path, st_model):
                                                           "text": texts[k * 20:(k + 1) * 20]})
     spec = make_job(tmp_path / "in", tmp_path / "out", executor="ray",
                     ray={"engines": 1, "num_cpus_per_engine": 1})
-    stats = run_job(spec, show_progress=False)
+    with caplog.at_level("INFO", logger="batchembed.executors.ray"):
+        stats = run_job(spec, show_progress=False)
     assert stats.tasks_run == 2 and stats.engines == 1 and stats.rows == 40
     assert (stats.embedded, stats.deduplicated) == (39, 1)
+    nodes = [r.getMessage() for r in caplog.records if "committed on node" in r.getMessage()]
+    assert len(nodes) == 2, nodes  # which node ran which part
     assert stats.steady_tokens_per_s and stats.engine_seconds > 0 and stats.engine_start_seconds > 0
     assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["last_run"]["throughput"]
     out = read_output(tmp_path / "out")

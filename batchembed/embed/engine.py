@@ -18,6 +18,7 @@ import glob
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -295,7 +296,9 @@ class Engine:
         # engine's processes would die of it mid-step, with tracebacks, while this process stops
         # the run and then them (interrupts.py). Spawned with this set, they block both signals
         # from their start (batchembed/__init__.py).
-        env = {**env, "BATCHEMBED_ENGINE_PROCESS": "1"}
+        # From the main thread (lives as long as the engine) they also die with this process.
+        main = threading.current_thread() is threading.main_thread()
+        env = {**env, "BATCHEMBED_ENGINE_PROCESS": "die-with-parent" if main else "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # read by the engine's processes as they start, in LLM()
         t1 = time.perf_counter()
