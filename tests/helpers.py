@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -53,3 +57,28 @@ SENTENCES = [
     "Ünïcödé and emoji 🚀 survive tokenisation.",
     "A much longer sentence " + "that keeps going and going " * 60 + "until it ends.",
 ]
+
+
+BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+
+
+def start_run(tmp_path: Path, job: dict, stdout=subprocess.DEVNULL, env: dict | None = None) -> subprocess.Popen:
+    """`batchembed run` of `job` in a session of its own (as a terminal's foreground job or a
+    scheduler's task), its stderr in tmp_path/run.log; returns once its first part is committed."""
+    import yaml
+
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=stdout,
+                            stderr=open(tmp_path / "run.log", "w"), env=env, start_new_session=True, text=True)
+    commits = Path(job["output"]["uri"]) / "_commits"
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
+        time.sleep(0.05)
+    assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+    return proc
+
+
+def group_alive(pgid: int) -> list[str]:
+    """Processes of a process group that are not zombies."""
+    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    return [st for st in out if not st.startswith("Z")]

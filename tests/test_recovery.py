@@ -7,18 +7,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import job_dict, write_parquet
+from helpers import BIN, group_alive, job_dict, start_run, write_parquet
 
 from batchembed.embed.watchdog import child_pids
-
-BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 
 
 def _comm(pid: int) -> str:
@@ -41,16 +38,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     engine = {"sort_window_rows": 40, **({"stall_timeout_s": 10} if fault == "stop" else {})}
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, engine=engine,
                    fidelity_check="off")
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    commits = tmp_path / "out" / "_commits"
-    log = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.PIPE,
-                            stderr=log, start_new_session=True, text=True)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
-        time.sleep(0.05)
+    proc = start_run(tmp_path, job, stdout=subprocess.PIPE)
     core = engine_core(proc.pid)
-    assert proc.poll() is None and core, (tmp_path / "run.log").read_text()[-3000:]
+    assert core
     os.kill(core, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     stdout, _ = proc.communicate(timeout=300)
     text = (tmp_path / "run.log").read_text()
@@ -58,8 +48,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     assert ("is gone" if fault == "kill" else "no vector came back for") in text, text[-3000:]
     assert "engine restarted in" in text and "Traceback" not in text
     assert not os.path.exists(f"/proc/{core}") or _comm(core) == "", "the failed engine's process outlived it"
-    left = subprocess.run(["ps", "-o", "stat=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert [st for st in left if not st.startswith("Z")] == [], "processes of the run outlived it"
+    assert group_alive(proc.pid) == [], "processes of the run outlived it"
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["rows"] == len(ids) and summary["tasks_run"] == 12
     out = pq.read_table(tmp_path / "out")
@@ -137,24 +126,16 @@ def test_past_max_restarts_the_run_stops_with_exit_1_and_keeps_its_parts(tmp_pat
                   {"id": ids, "text": [f"row {i}: " + "engines that keep dying " * 8 for i in ids]}, row_group_size=40)
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
                    engine={"sort_window_rows": 40, "max_restarts": 0}, fidelity_check="off")
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    proc = start_run(tmp_path, job)
     commits = tmp_path / "out" / "_commits"
-    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "run.log", "w"), start_new_session=True)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
-        time.sleep(0.05)
-    core = engine_core(proc.pid)
-    assert proc.poll() is None and core, (tmp_path / "run.log").read_text()[-3000:]
-    os.kill(core, signal.SIGKILL)
+    os.kill(engine_core(proc.pid), signal.SIGKILL)
     assert proc.wait(timeout=120) == 1
     last = (tmp_path / "run.log").read_text().strip().splitlines()[-1]
     assert "the engine failed 1 times in this run (engine.max_restarts: 0), last: engine process" in last
     assert "committed parts are kept" in last
     parts = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
     assert parts and parts == sorted(p.name.replace(".json", ".parquet") for p in commits.glob("*.json"))
-    left = subprocess.run(["ps", "-o", "stat=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert [st for st in left if not st.startswith("Z")] == []
+    assert group_alive(proc.pid) == []
 
 
 def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
@@ -164,15 +145,8 @@ def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
                   {"id": ids, "text": [f"row {i}: " + "an orphaned engine holds memory " * 8 for i in ids]},
                   row_group_size=40)
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, fidelity_check="off")
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    commits = tmp_path / "out" / "_commits"
-    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "run.log", "w"), start_new_session=True)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
-        time.sleep(0.05)
+    proc = start_run(tmp_path, job)
     core = engine_core(proc.pid)
-    assert proc.poll() is None and core, (tmp_path / "run.log").read_text()[-3000:]
     engine = [core, *child_pids(core)]
     assert len(engine) >= 2  # the engine core and its worker
     os.kill(proc.pid, signal.SIGKILL)

@@ -7,20 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
-from helpers import job_dict, write_parquet
-
-BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
-
-
-def _group_alive(pgid: int) -> list[str]:
-    out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if ln.split()[1][0] != "Z"]
+from helpers import BIN, group_alive, job_dict, start_run, write_parquet
 
 
 # Ctrl-C reaches a terminal's whole foreground group; Airflow's BashOperator sends SIGTERM to
@@ -32,16 +23,8 @@ def test_a_signal_stops_the_run_cleanly_and_a_rerun_resumes(tmp_path, sig, to_gr
     write_parquet(tmp_path / "in" / "docs.parquet", {"id": ids, "text": texts}, row_group_size=50)
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 50},
                    engine={"sort_window_rows": 50}, fidelity_check="off")
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     commits = tmp_path / "out" / "_commits"
-    log = open(tmp_path / "run.log", "w")
-    # a session of its own, as a terminal's foreground job: Ctrl-C reaches the whole group
-    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
-        time.sleep(0.05)
-    assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+    proc = start_run(tmp_path, job)  # a session of its own: Ctrl-C reaches the whole group
     if to_group:
         os.killpg(proc.pid, sig)
     else:
@@ -52,7 +35,7 @@ def test_a_signal_stops_the_run_cleanly_and_a_rerun_resumes(tmp_path, sig, to_gr
     last = text.strip().splitlines()[-1]
     assert last.startswith(f"batchembed: interrupted by {signal.Signals(sig).name}: ") and "parts are committed" in last
     time.sleep(1)
-    assert _group_alive(proc.pid) == [], "processes of the run outlived it"
+    assert group_alive(proc.pid) == [], "processes of the run outlived it"
     out = tmp_path / "out"
     parts = sorted(p.name for p in out.glob("part-*.parquet"))
     recorded = sorted(p.name.replace(".json", ".parquet") for p in commits.glob("*.json"))
