@@ -155,3 +155,26 @@ def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
     while time.monotonic() < deadline and any(_comm(p).startswith("VLLM") for p in engine):
         time.sleep(0.2)
     assert not any(_comm(p).startswith("VLLM") for p in engine), "the engine outlived its run"
+
+
+def test_with_two_engines_a_killed_engine_process_is_replaced_and_its_parts_redone(tmp_path):
+    """The front-end process of one engine killed (the OOM killer's pick): another takes its place
+    and its unfinished parts; every row once."""
+    ids = list(range(480))
+    write_parquet(tmp_path / "in" / "docs.parquet",
+                  {"id": ids, "text": [f"row {i}: " + "front ends die too " * (i % 4 + 3) for i in ids]},
+                  row_group_size=40)
+    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
+                   engine={"data_parallel": 2, "sort_window_rows": 40}, fidelity_check="off")
+    proc = start_run(tmp_path, job, stdout=subprocess.PIPE)
+    workers = sorted(p for p in child_pids(proc.pid) if engine_core(p))
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    stdout, _ = proc.communicate(timeout=400)
+    text = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "engine process 0 died (exit code -9) without reporting: starting another (restart 1 of at most 3)" in text
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["tasks_run"] == 12 and summary["rows"] == len(ids)
+    assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids  # every row once
+    assert group_alive(proc.pid) == []

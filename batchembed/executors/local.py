@@ -22,6 +22,7 @@ def run_local(p: Prepared, pending: list[Task], progress, engine=None) -> RunRes
     t0 = time.perf_counter()
     try:
         worker.run(tasks, progress)
+        wall = time.perf_counter() - t0  # the engine's shutdown is not pipeline time
     finally:
         worker.close()
-    return combine([worker.report()], time.perf_counter() - t0)
+    return combine([worker.report()], wall)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from .. import interrupts
 from ..errors import RunError
 from ..logs import json_logging, setup_logging
-from ..stats import RunResult, combine
+from ..stats import RunResult, WorkerReport, combine
 
 if TYPE_CHECKING:
     from ..job import Prepared
@@ -48,13 +48,15 @@ class _Flag:
 
 
 class _Tasks:
-    """The pipeline's view of the shared queue: part ids in, this worker's own Tasks out."""
+    """The pipeline's view of the parent's task list: it asks the parent for a part and gets its
+    id (or None: no more) on its own queue, and turns it into this worker's own Task."""
 
-    def __init__(self, q, tasks: dict[str, Task]):
-        self.q, self.tasks = q, tasks
+    def __init__(self, replica: int, ask, answers, tasks: dict[str, Task]):
+        self.replica, self.ask, self.answers, self.tasks = replica, ask, answers, tasks
 
     def get_nowait(self) -> Task:
-        name = self.q.get()
+        self.ask.put(("want", self.replica))
+        name = self.answers.get()
         if name is None:
             raise queue.Empty
         task = self.tasks.get(name)
@@ -93,7 +95,7 @@ def _isolate(replica: int, workdir: str) -> None:
     os.environ["VLLM_PORT"] = str(base + 100 * replica)
 
 
-def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, tasks_q, results_q,
+def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
             start_lock: str, stop, spawned_at: float) -> None:
     _die_with_parent()
     interrupts.ignore()
@@ -113,7 +115,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
                  time.time() - spawned_at)
         worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial)
         try:
-            worker.run(_Tasks(tasks_q, {t.part_id: t for t in p.tasks}),
+            worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
                        lambda step: results_q.put(("progress", replica, step)), stop)
         finally:
             worker.close()
@@ -146,26 +148,35 @@ def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) 
 
 
 def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tuple[RunResult, str | None]:
+    """Hand parts to the workers as they ask, until none is left. A worker process that dies
+    without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
+    run; the parts it had taken and not committed go back to the list for whoever asks next."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
-    tasks_q, results_q = ctx.Queue(), ctx.Queue()
+    results_q = ctx.Queue()
+    answers = [ctx.Queue() for _ in range(replicas)]  # part ids (or None) to each worker
     stop = _Flag(ctx)  # set by any worker's failure, or by us
     workdir = tempfile.TemporaryDirectory(prefix="batchembed-engines-")
     start_lock = os.path.join(workdir.name, "start.lock")
     open(start_lock, "wb").close()
-    for t in pending:
-        tasks_q.put(t.part_id)
-    for _ in range(replicas):
-        tasks_q.put(None)
+    todo = [t.part_id for t in pending]
+    todo.reverse()  # taken from the end: plan order
+    taken: dict[int, list[str]] = {i: [] for i in range(replicas)}
+    names = {t.part_id: p.out.part_name(t) for t in pending}
+    by_id = {t.part_id: t for t in pending}
     spec = p.spec.model_dump(mode="json")
     level = logging.getLogger("batchembed").getEffectiveLevel()
-    workers = [ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
-                           args=(spec, i, replicas, level, json_logging(), tasks_q, results_q, start_lock, stop,
-                                 time.time()))
-               for i in range(replicas)]
-    reports = []
-    t0 = time.perf_counter()
-    for w in workers:
+
+    def start(i: int):
+        w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
+                        args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
+                              time.time()))
         w.start()
+        return w
+
+    reports = []
+    restarts = 0
+    t0 = time.perf_counter()
+    workers = [start(i) for i in range(replicas)]
     done: set[int] = set()
     error = None
     try:
@@ -176,12 +187,31 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
                 msg = results_q.get(timeout=1.0)
             except queue.Empty:
                 dead = [i for i, w in enumerate(workers) if i not in done and not w.is_alive()]
-                if dead:
-                    error = (f"engine process {dead[0]} died (exit code {workers[dead[0]].exitcode}) without "
-                             "reporting; committed parts are kept, a rerun resumes")
+                for i in dead:
+                    # what it committed stands (read back as a resume would); the rest is lost
+                    mine = [by_id[x] for x in taken[i]]
+                    committed = p.out.state(mine, p.fingerprint.with_digest(), []).done
+                    reports.append(WorkerReport(records={names[t.part_id]: committed[t.index] for t in mine
+                                                         if t.index in committed}))
+                    lost = [t.part_id for t in mine if t.index not in committed]
+                    restarts += 1
+                    why = f"engine process {i} died (exit code {workers[i].exitcode}) without reporting"
+                    if restarts > p.spec.engine.max_restarts or stop.is_set():
+                        error = f"{why}; committed parts are kept, a rerun resumes"
+                        break
+                    log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go "
+                                "back to the list", why, restarts, p.spec.engine.max_restarts, len(lost))
+                    todo += lost
+                    taken[i] = []
+                    workers[i] = start(i)
                 continue
             kind, replica = msg[0], msg[1]
-            if kind == "progress":
+            if kind == "want":
+                part = None if stop.is_set() or not todo else todo.pop()
+                if part is not None:
+                    taken[replica].append(part)
+                answers[replica].put(part)
+            elif kind == "progress":
                 progress(msg[2])
             elif kind == "error":
                 log.debug("engine process %d failed:\n%s", replica, msg[3])
@@ -194,6 +224,8 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
             # every pipeline stops at its next step and closes its engine; a worker that does
             # not end within a minute is killed
             stop.set()
+            for q in answers:  # a worker waiting for a part gets none
+                q.put(None)
         deadline = time.monotonic() + 60
         for w in workers:
             w.join(timeout=max(0.1, deadline - time.monotonic()))
