@@ -52,6 +52,12 @@ def ensure(p: Prepared, engine) -> None:
 def _reference(path: str, max_length: int):
     from sentence_transformers import SentenceTransformer
 
+    try:  # its per-weight progress bar is noise in a run's log
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     st = SentenceTransformer(path, device="cpu")
     st.max_seq_length = max_length
     return st

@@ -42,6 +42,7 @@ class WriteStage:
         # int8 / uint8: the output's calibration, made before any pipeline starts
         self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
         self.job = p.fingerprint.with_digest()
+        self.schema = p.output_schema
 
     def run(self, q_out: queue.Queue, stop, progress: Callable[[dict], None], records: dict[str, dict],
             failed: list[dict]) -> None:
@@ -63,7 +64,7 @@ class WriteStage:
                         failed.append({"file": task.file.url, "part": self.p.out.part_name(task), "error": w})
                     continue
                 if part is None:
-                    part = _Part(task, self.p.out.writer(self.p.output_schema, self.p.spec.output.compression))
+                    part = _Part(task, self.p.out.writer(self.schema, self.p.spec.output.compression))
                 if batch is None:
                     name, record = self._commit(part)
                     records[name] = record
@@ -100,7 +101,7 @@ class WriteStage:
                                        self.calibration.ranges[d] if self.calibration else None))
         # by name, then cast by the writer: a carried column may be large_string in one file
         # and string in another
-        part.writer.write(pa.Table.from_arrays(arrays, names=p.output_schema.names))
+        part.writer.write(pa.Table.from_arrays(arrays, names=self.schema.names))
         step = dict(rows=batch.num_rows, embedded=w.embedded, reused=len(w.reuse),
                     deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
                     truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
