@@ -63,8 +63,11 @@ for c in "${cases[@]}"; do
     --min-chars "$chars" --rows "$rows" --variants "$variants" "${sets[@]}" --out "$OUT/$name" \
     > "$OUT/$name.log" 2>&1 || echo "   case failed or timed out: $c (see $name.log)"
   grep -E "^  |^Ratios" "$OUT/$name.log" || true
-  for f in "$OUT/$name"/*/{results.json,d.log,d-out/manifest.json,d-out/_fidelity.json}; do
+  for f in "$OUT/$name"/*/{results.json,d.log,d-out/_fidelity.json}; do
     if [ -f "$f" ]; then cp "$f" "$OUT/$name.$(basename "$f")"; fi
+  done
+  for f in "$OUT/$name"/*/d-out/_manifest.json; do  # as NAME.manifest.json, where gpu_table.py looks
+    if [ -f "$f" ]; then cp "$f" "$OUT/$name.manifest.json"; fi
   done
   rm -rf "$OUT/$name"/*/corpus "$OUT/$name"/*/d-out "$OUT/$name"/*/*.parquet  # keep only the figures
 done

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import procguard
 from ..config import EngineSpec
 from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo
@@ -294,11 +295,10 @@ class Engine:
                  {k: v for k, v in args.items() if k != "tokenizer"})
         # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
         # engine's processes would die of it mid-step, with tracebacks, while this process stops
-        # the run and then them (interrupts.py). Spawned with this set, they block both signals
-        # from their start (batchembed/__init__.py).
-        # From the main thread (lives as long as the engine) they also die with this process.
+        # the run and then them (interrupts.py). Started with this set, they block both signals,
+        # and die with this process when the main thread starts them (procguard.py).
         main = threading.current_thread() is threading.main_thread()
-        env = {**env, "BATCHEMBED_ENGINE_PROCESS": "die-with-parent" if main else "1"}
+        env = {**env, procguard.ENV: "die-with-parent" if main else "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # read by the engine's processes as they start, in LLM()
         t1 = time.perf_counter()

@@ -1,0 +1,38 @@
+"""What vLLM's engine processes do first, when embed/engine.py builds an engine with
+BATCHEMBED_ENGINE_PROCESS set (only while it builds one):
+- SIGINT and SIGTERM stay blocked: a terminal's Ctrl-C or a scheduler's SIGTERM to the process
+  group is batchembed's to handle, which stops the run and then its engines (interrupts.py);
+  vLLM's own shutdown ends them with SIGKILL after its grace period;
+- with the value "die-with-parent", the process gets SIGKILL when the thread that started it
+  ends (Linux), so an engine never outlives a run killed outright (set only when that thread is
+  the main thread, which lives as long as the engine).
+vLLM starts them by spawn (a new interpreter: it imports batchembed, whose __init__ calls
+guard()) or by fork (the hook registered below runs in the child).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "BATCHEMBED_ENGINE_PROCESS"
+
+
+def guard() -> None:
+    mode = os.environ.get(ENV)
+    if not mode:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    if mode == "die-with-parent":
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() == 1:  # the parent was gone before that took effect
+            os._exit(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=guard)
