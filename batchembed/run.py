@@ -16,7 +16,7 @@ from .embed.vectors import PACKED, SCALAR
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
 from .job import Prepared, prepare
-from .output.layout import CALIBRATION, MANIFEST, SUCCESS
+from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
 from .plan import Task, shard_tasks
 from .reuse import TEXT_HASH, copy_parts
@@ -83,10 +83,10 @@ def _calibrate(p: Prepared, engine):
         calibration.ensure(p, engine)
     except BaseException:
         if own is not None:
-            own.close()
+            release(own)
         raise
     if own is not None and (p.spec.executor == "ray" or p.spec.engine.data_parallel > 1):
-        own.close()
+        release(own)
         engine = own = None
     return engine, own, seconds
 
@@ -171,9 +171,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         log.info("shard %s: its parts are committed; %d parts of other shards are pending, and the last "
                  "shard to finish (or `batchembed finalize`) writes the manifest", spec.shard, len(unfinished))
     else:
-        out.remove(state.stale)
-        out.drop_error_files(records.values())
-        write_manifest(p, records, stats, failed)
+        _finish(p, state.stale, records, stats, failed)
     if failed:
         raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
                        f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
@@ -192,7 +190,7 @@ def _check_failed_rows(p: Prepared, stats: Stats) -> None:
     if stats.failed_rows > _allowed_failed_rows(p, stats.rows):
         raise RunError(f"{stats.failed_rows:,} rows failed in the engine (max_failed_rows: "
                        f"{p.spec.max_failed_rows:g}); every other row is written, and the failed ones are listed "
-                       f"in {p.out.url_of('_errors/')}; a rerun tries their parts again")
+                       f"in {p.out.url_of(ERRORS)}/; a rerun tries their parts again")
 
 
 def finalize_job(spec: JobSpec) -> Stats:
@@ -206,9 +204,16 @@ def finalize_job(spec: JobSpec) -> Stats:
     stats = Stats(tasks_skipped=len(state.done))
     for r in state.done.values():
         stats.add(r)
-    p.out.remove(state.stale)
-    write_manifest(p, state.done, stats, [])
+    _finish(p, state.stale, state.done, stats, [])
     return stats
+
+
+def _finish(p: Prepared, stale: list[str], records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
+    """Remove what no task owns any more (and error files of parts redone since), then write the
+    manifest (and _SUCCESS)."""
+    p.out.remove(stale)
+    p.out.drop_error_files(records.values())
+    write_manifest(p, records, stats, failed)
 
 
 def _missing_parts(p: Prepared, records: dict[int, dict], failed: list[dict]) -> list[str]:

@@ -50,12 +50,15 @@ class RowPlan:
     owner: np.ndarray | None = None  # per unordered sequence: its row (chunked windows only)
     lengths: np.ndarray | None = None  # per unordered sequence: its tokens (chunked windows only)
 
+    def row_of(self, k: int) -> int:
+        """The row whose sequence is `seqs[k]`."""
+        j = int(self.order[k])
+        return j if self.owner is None else int(self.owner[j])
+
     def failed_rows(self, bad) -> np.ndarray:
         """bool per row: one of its sequences is among `bad` (positions in `seqs`)."""
         failed = np.zeros(self.rows, dtype=bool)
-        for k in bad:
-            j = int(self.order[k])
-            failed[j if self.owner is None else int(self.owner[j])] = True
+        failed[[self.row_of(k) for k in bad]] = True
         return failed
 
     def vectors(self, submitted: np.ndarray) -> np.ndarray:

@@ -83,15 +83,14 @@ class Worker:
         if self.given is not None or interrupts.requested():
             raise failure  # an engine we were handed is not ours to replace; a stopping run stops
         self.restarts += 1
+        old.kill()
+        self.own = None
         if self.restarts > limit:
-            old.kill()
             raise RunError(f"the engine failed {self.restarts} times in this run (engine.max_restarts: {limit}), "
                            f"last: {failure}; committed parts are kept, a rerun resumes")
         log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, self.restarts,
                     limit)
         t0 = time.perf_counter()
-        old.kill()
-        self.own = None
         self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock)
         log.warning("engine restarted in %.1f s; the windows it had not finished go to the new one",
                     time.perf_counter() - t0)

@@ -216,8 +216,6 @@ class OutputFolder:
         # commit records go before their parts, so a part never outlives its record unnoticed
         stale = [c for c in commit_paths if c.rsplit("/", 1)[-1][: -len(".json")] + self.fmt.suffix not in names]
         stale += sorted(x for x in part_paths if x not in live)
-        with_errors = {self.path(self.errors_name(r["part"])) for r in records if r.get("failed_rows")}
-        stale += [e for e in self.error_files() if e not in with_errors]
         complete = finished and len(done) == len(tasks) and not stale and not failed_inputs
         return OutputState(done, stale, complete)
 

@@ -145,9 +145,8 @@ class EmbedStage:
         for w in self._on_engine:
             vectors, bad = embed_isolating(self.engine, w.plan.seqs)
             w.pending = Pending.filled(vectors)
-            reason = next(iter(bad.values()), "")
-            for row in np.flatnonzero(w.plan.failed_rows(bad)):  # a chunked row fails with any chunk
-                w.failed[int(w.todo[row])] = reason
+            for k, reason in bad.items():  # a chunked row fails with any of its chunks
+                w.failed[int(w.todo[w.plan.row_of(k)])] = reason
             if bad:
                 log.warning("engine: %d sequence(s) of a window fail alone; their rows get null vectors and go "
                             "to the output's error file", len(bad))
