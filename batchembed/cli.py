@@ -92,11 +92,14 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
     reuse = (f", {s['reused']:,} reused, {s['deleted']:,} deleted" if spec.incremental else "")
     reuse += f"; {s['filtered']:,} input rows left out by input.where" if spec.input.where else ""
     reuse += f"; {s['failed_rows']:,} rows failed in the engine (_errors/)" if s["failed_rows"] else ""
+    ix = s.get("index")
+    done = (f"; index {ix['type']} on {ix['column']} {'kept' if ix.get('kept') else 'built'} in {ix['seconds']:.1f} s"
+            if ix and ix.get("built") else "")
     click.echo(f"batchembed: {spec.name}: {s['rows']:,} rows ({s['embedded']:,} embedded, "
                f"{s['deduplicated']:,} duplicates{reuse}, {s['nulls']:,} null, "
                f"{s['truncated']:,} truncated), {s['tokens']:,} tokens; this run: {s['tasks_run']} parts, "
                f"{s['tokens_run']:,} tokens in {s['seconds']:.1f} s ({s['tokens_per_s']:,.0f} tok/s); "
-               f"{s['tasks_skipped']} parts already done -> {spec.output.uri}", err=True)
+               f"{s['tasks_skipped']} parts already done{done} -> {spec.output.uri}", err=True)
     click.echo(json.dumps(s))
 
 

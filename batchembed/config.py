@@ -109,12 +109,30 @@ class EmbeddingSpec(_Strict):
         return v
 
 
+class IndexSpec(_Strict):
+    type: Literal["ivf_pq", "ivf_hnsw_sq"] = Field(description="Lance's vector index: IVF with product "
+                                                   "quantisation, or IVF with an HNSW graph over int8 "
+                                                   "scalar-quantised vectors in each partition")
+    metric: Literal["cosine", "dot", "l2"] = Field("cosine", description="the vectors are L2-normalised: "
+                                                   "cosine and dot rank alike")
+    column: str | None = Field(None, description="the embedding column; default: the largest dimension's")
+    num_partitions: int | None = Field(None, ge=1, description="IVF partitions; default about sqrt(rows), "
+                                       "at most rows/256")
+    num_sub_vectors: int | None = Field(None, ge=1, description="ivf_pq: PQ sub-vectors (must divide the "
+                                        "dimension); default Lance's")
+    id_index: bool = Field(True, description="also a BTREE index on input.id_column, for lookups by id")
+
+
 class OutputSpec(_Strict):
     uri: str = Field(description="fsspec directory for the parts, _manifest.json and _SUCCESS")
-    format: str = Field("parquet", description="the output format (output/__init__.py lists them)")
+    format: Literal["parquet", "lance"] = Field("parquet", description="parquet: one file per part; lance: "
+                                                "one Lance dataset (pip install 'batchembed[lance]')")
     storage_options: dict[str, Any] = {}
     rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")
-    compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = "zstd"
+    compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = Field(
+        "zstd", description="Parquet's; Lance chooses its own encodings")
+    index: IndexSpec | None = Field(None, description="format lance: a vector index built once every part "
+                                    "is committed (kept on a rerun when it covers every row)")
 
 
 class EngineSpec(_Strict):

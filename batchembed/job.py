@@ -41,6 +41,7 @@ class JobFingerprint:
     prefix: str
     columns: dict[str, Any] = field(default_factory=dict)
     long_text: str = "truncate"  # or "chunk:<overlap>"
+    output_format: str = "parquet"
 
     def as_dict(self) -> dict[str, Any]:
         d = {"layout": LAYOUT, "model_hash": self.model_hash, "dimensions": list(self.dimensions),
@@ -48,6 +49,8 @@ class JobFingerprint:
              "prefix": self.prefix, "columns": self.columns}
         if self.long_text != "truncate":  # only when set: outputs made before it keep their digest
             d["long_text"] = self.long_text
+        if self.output_format != "parquet":  # the same: Parquet outputs keep their digest
+            d["output_format"] = self.output_format
         return d
 
     @property
@@ -142,6 +145,33 @@ def _check_columns(spec: JobSpec, dims: list[int] | None) -> None:
                        f"({', '.join(sorted(ours))}); rename it in the input or leave it out")
 
 
+def index_column(spec: JobSpec, dims: list[int]) -> str:
+    """The column output.index is built on: the one named, or the largest dimension's."""
+    return spec.output.index.column or column_names(dims)[max(dims)]
+
+
+def _check_index(spec: JobSpec, dims: list[int]) -> None:
+    ix = spec.output.index
+    if ix is None:
+        return
+    if spec.output.format != "lance":
+        raise JobError(f"output.index: needs output.format: lance (this job writes {spec.output.format}; "
+                       "a Parquet output is indexed by whatever reads it, as the README shows)")
+    if spec.embedding.output_dtype not in ("float32", "float16"):
+        raise JobError(f"output.index: Lance's vector indexes take float vectors, and this job writes "
+                       f"{spec.embedding.output_dtype} (embedding.output_dtype); write float16 to index them, "
+                       "or leave output.index out and search the stored vectors as the README shows")
+    names = column_names(dims)
+    column = index_column(spec, dims)
+    if column not in names.values():
+        raise JobError(f"output.index.column: {column!r} is not one of the embedding columns "
+                       f"({', '.join(names.values())})")
+    d = next(d for d, c in names.items() if c == column)
+    if ix.type == "ivf_pq" and ix.num_sub_vectors and d % ix.num_sub_vectors:
+        raise JobError(f"output.index.num_sub_vectors: {ix.num_sub_vectors} does not divide {column}'s "
+                       f"dimension {d}")
+
+
 def _read_inputs(spec: JobSpec):
     fmt = inputs.get_format(spec.input.format)
     in_fs, in_root, paths = fmt.list_files(spec.input.uri, spec.input.storage_options)
@@ -164,6 +194,7 @@ def _fingerprint(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[in
                  # only when set: outputs made before these keys existed keep their digest
                  **{k: v for k, v in (("text_sql", spec.input.text_sql), ("where", spec.input.where)) if v}},
         long_text="truncate" if spec.model.long_text == "truncate" else f"chunk:{spec.model.chunk_overlap}",
+        output_format=spec.output.format,
     )
 
 
@@ -197,6 +228,7 @@ def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True
         if spec.model.long_text == "chunk":  # the windows must leave room for text
             check(lambda: model_tokenizer(model.path, max_length, spec.model))
     check(lambda: _check_columns(spec, dims))
+    check(lambda: _check_index(spec, dims))
     storage.policy = RetryPolicy(spec.retry.attempts, spec.retry.backoff_s)
     read = check(lambda: _read_inputs(spec))
     out = check(lambda: OutputFolder.open(spec.output.uri, spec.output.storage_options, spec.output.format))

@@ -174,12 +174,12 @@ def copy_parts(prev: Previous, tasks: list[Task], out: OutputFolder, job: dict,
 
     def copy(item) -> tuple[int, dict]:
         t, entry = item
-        name = out.part_name(t)
-        out.copy_part_from(prev.folder, name)
-        source = prev.folder.read_commit(name)
+        name, src_name = out.part_name(t), prev.folder.part_name(t)
+        out.copy_part_from(prev.folder, src_name, name)
+        source = prev.folder.read_commit(src_name)
         if not source or source.get("rows") != entry["rows"]:  # the manifest's entry has the counts too
             source = {**entry["counts"], "rows": entry["rows"]}
-        record = copied_record(name, source, t.input_fingerprint, job, prev.folder.url_of(name))
+        record = copied_record(name, source, t.input_fingerprint, job, prev.folder.part_url(src_name))
         out.write_commit(name, record)
         return t.index, record
 
@@ -226,14 +226,14 @@ class TaskIndex:
                 return fn(part)
 
         try:
-            return retry(go, folder.url_of(name))
+            return retry(go, folder.part_url(name))
         except FileNotFoundError:
-            raise RunError(f"incremental.previous: {folder.url_of(name)} is listed in its manifest "
+            raise RunError(f"incremental.previous: {folder.part_url(name)} is listed in its manifest "
                            "but gone") from None
         except Exception as e:  # noqa: BLE001
             if is_transient(e) or isinstance(e, RunError):
                 raise
-            raise RunError(f"incremental.previous: cannot read {folder.url_of(name)}: {e}") from None
+            raise RunError(f"incremental.previous: cannot read {folder.part_url(name)}: {e}") from None
 
     def match(self, keys: np.ndarray, key_valid: np.ndarray, hashes: np.ndarray,
               text_valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -272,7 +272,7 @@ class TaskIndex:
     def _reader(self, i: int):
         if i not in self._readers:
             folder, name = self.prev.folder, self.part_names[i]
-            self._readers[i] = retry(lambda: self._open.enter_context(folder.open_part(name)), folder.url_of(name))
+            self._readers[i] = retry(lambda: self._open.enter_context(folder.open_part(name)), folder.part_url(name))
         return self._readers[i]
 
     def _group(self, i: int, g: int, columns: list[tuple[str, int]]) -> dict[str, np.ndarray]:

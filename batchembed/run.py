@@ -15,8 +15,8 @@ from .embed.matryoshka import column_names
 from .embed.vectors import PACKED, SCALAR
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
-from .job import Prepared, prepare
-from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS
+from .job import Prepared, index_column, prepare
+from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
 from .plan import Task, shard_tasks
 from .reuse import TEXT_HASH, copy_parts
@@ -171,7 +171,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
         log.info("shard %s: its parts are committed; %d parts of other shards are pending, and the last "
                  "shard to finish (or `batchembed finalize`) writes the manifest", spec.shard, len(unfinished))
     else:
-        _finish(p, state.stale, records, stats, failed)
+        _finish(p, state, records, stats, failed)
     if failed:
         raise RunError(f"{len(failed)} input file(s) failed and were skipped (on_error: skip), e.g. "
                        f"{failed[0]['file']}: {failed[0]['error']}; the rest is committed and listed in "
@@ -204,14 +204,14 @@ def finalize_job(spec: JobSpec) -> Stats:
     stats = Stats(tasks_skipped=len(state.done))
     for r in state.done.values():
         stats.add(r)
-    _finish(p, state.stale, state.done, stats, [])
+    _finish(p, state, state.done, stats, [])
     return stats
 
 
-def _finish(p: Prepared, stale: list[str], records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
+def _finish(p: Prepared, state: OutputState, records: dict[int, dict], stats: Stats, failed: list[dict]) -> None:
     """Remove what no task owns any more (and error files of parts redone since), then write the
     manifest (and _SUCCESS)."""
-    p.out.remove(stale)
+    p.out.remove_stale(state)
     p.out.drop_error_files(records.values())
     write_manifest(p, records, stats, failed)
 
@@ -250,6 +250,11 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                            "commit records, or rerun with --overwrite")
     stats.deleted = totals.deleted
     spec = p.spec
+    if spec.output.index is not None and not failed and not too_many:
+        stats.index = p.out.fmt.build_index(p.out, spec.output.index, index_column(spec, p.dimensions),
+                                            spec.input.id_column, changed=stats.tasks_run > 0)
+        log.info("output.index: %s on %s %s in %.1f s", spec.output.index.type, stats.index["column"],
+                 "kept" if stats.index.get("kept") else "built", stats.index.get("seconds", 0))
     manifest = {
         "tool": {"name": "batchembed", "version": __version__},
         "name": spec.name,
@@ -284,6 +289,7 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
         "failed_rows": {"count": totals.failed_rows, "allowed": _allowed_failed_rows(p, totals.rows),
                         "files": sorted(p.out.errors_name(r["part"]) for r in records.values()
                                         if r.get("failed_rows"))},
+        "index": stats.index,
         "last_run": {**stats.summary(), "throughput": stats.throughput},
         "token_histogram": {"bin_width": histogram_bin_width(p.max_length),
                             "counts": add_histograms(records.values())},

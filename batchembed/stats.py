@@ -123,6 +123,7 @@ class Stats:
     engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
     steady_tokens_per_s: float | None = None  # while every engine was running (see steady_rate)
     throughput: list = field(default_factory=list)  # [seconds, tok/s] per time slice; in the manifest only
+    index: dict | None = None  # output.index as built (or kept) by this run, with its build seconds
 
     def add(self, record: dict) -> None:
         for k in TOTALS:

@@ -114,7 +114,8 @@ def test_resume_state_keeps_current_parts_redoes_changed_ones_and_refuses_anothe
     v2 = make_tasks([_file("a.parquet", (4,)), _file("b.parquet", (4,), etag="e2"), _file("d.parquet", (4,))], 10)
     state = folder.state(v2, job, [])
     assert sorted(state.done) == [0] and not state.complete
-    assert sorted(p.rsplit("/", 1)[-1] for p in state.stale) == ["part-c-rg00000.json", "part-c-rg00000.parquet"]
+    assert [p.rsplit("/", 1)[-1] for p in state.stale_records] == ["part-c-rg00000.json"]
+    assert state.stale_parts == ["part-c-rg00000.parquet"]
     # a part whose record was published but whose file is gone is not done
     (tmp_path / "out" / "part-a-rg00000.parquet").unlink()
     assert folder.state(v2, job, []).done == {}

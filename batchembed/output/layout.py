@@ -1,6 +1,8 @@
 """The output folder and everything in it: the one place that knows its layout.
 
     part-<input file>-rg<first block>.parquet   the vectors, next to the ids and carried columns
+                           (with output.format: lance, one Lance dataset at the root holds the
+                           parts: data/, _versions/, ...; lance.py)
     _commits/<part>.json   a part's commit record (records.py), published after the part
     _errors/<part>.jsonl   the rows of a part the engine failed, one JSON line each, before it
     _calibration.json      int8 / uint8 ranges, made before any part
@@ -13,8 +15,9 @@ polars, DuckDB and Spark read the folder as a dataset as it is. Outputs made bef
 manifest took its underscore (`manifest.json`) are read as they are, and a run that
 changes one moves its manifest to the new name.
 
-Parts are written by the output format (parquet.py) to a local file and published here in
-one atomic step, then their record. Resume reads the records back (`state`).
+Parts are written by the output format (parquet.py, lance.py) to a local file and published by
+it in one atomic step, then their record. Resume reads the records back (`state`): a part is
+done when its record and the part itself are there.
 """
 
 from __future__ import annotations
@@ -23,9 +26,7 @@ import contextlib
 import fnmatch
 import json
 import os
-import tempfile
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,6 @@ from ..storage import (
     full_url,
     is_local,
     open_fs,
-    put_file_atomic,
     read_json,
     remove,
     retry,
@@ -57,7 +57,8 @@ FIDELITY = "_fidelity.json"
 @dataclass
 class OutputState:
     done: dict[int, dict]  # task index -> commit record, for tasks whose part is complete and current
-    stale: list[str]  # paths of our files that no current task will rewrite
+    stale_records: list[str]  # paths of commit records that no current task will rewrite
+    stale_parts: list[str]  # names of parts that no current task will rewrite
     complete: bool  # manifest and _SUCCESS present and every task done
 
 
@@ -73,9 +74,16 @@ class OutputFolder:
         self.fs, self.root, self.fmt = fs, root.rstrip("/"), fmt
 
     @classmethod
-    def open(cls, uri: str, storage_options: dict[str, Any] | None = None, fmt: str = "parquet",
+    def open(cls, uri: str, storage_options: dict[str, Any] | None = None, fmt: str | None = None,
              key: str = "output.uri") -> OutputFolder:
+        """The output at `uri`, in format `fmt`; None: the format its manifest names (a Lance
+        dataset's `_versions/` where there is no manifest yet; Parquet otherwise)."""
         fs, root = open_fs(uri, storage_options or {}, key)
+        if fmt is None:
+            folder = cls(fs, root, get_format("parquet"))
+            manifest = folder.read_manifest() or {}
+            fmt = manifest.get("format") or (
+                "lance" if retry(lambda: fs.exists(folder.path("_versions")), folder.url) else "parquet")
         return cls(fs, root, get_format(fmt))
 
     @property
@@ -122,7 +130,7 @@ class OutputFolder:
         if type(in_fs) is not type(self.fs) or in_fs.storage_options != self.fs.storage_options:
             return
         pattern = in_fs._strip_protocol(input_uri).rstrip("/")
-        probe = self.path(f"part-x{self.fmt.suffix}")
+        probe = self.path(self.fmt.data_sample)
         if any(c in pattern for c in "*?["):
             if "**" in pattern:
                 hit = probe.startswith(in_root.rstrip("/") + "/")
@@ -138,23 +146,26 @@ class OutputFolder:
     def part_name(self, task) -> str:
         return task.part_id + self.fmt.suffix
 
+    def _stem(self, part_name: str) -> str:
+        return part_name.removesuffix(self.fmt.suffix) if self.fmt.suffix else part_name
+
     def _commit_path(self, part_name: str) -> str:
-        return self.path(f"{COMMITS}/{part_name[: -len(self.fmt.suffix)]}.json")
+        return self.path(f"{COMMITS}/{self._stem(part_name)}.json")
 
     def errors_name(self, part_name: str) -> str:
-        return f"{ERRORS}/{part_name[: -len(self.fmt.suffix)]}.jsonl"
+        return f"{ERRORS}/{self._stem(part_name)}.jsonl"
+
+    def part_url(self, part_name: str) -> str:
+        return self.fmt.part_url(self, part_name)
 
     # --- reading ---------------------------------------------------------------------------
 
-    def listing(self) -> tuple[list[str], set[str]]:
-        """(commit record paths, part paths) under the root."""
+    def commit_paths(self) -> list[str]:
         fs, root = self.fs, self.root
 
-        def go() -> tuple[list[str], set[str]]:
+        def go() -> list[str]:
             fs.invalidate_cache()
-            commits = fs.glob(f"{root}/{COMMITS}/part-*.json") if fs.exists(f"{root}/{COMMITS}") else []
-            parts = set(fs.glob(f"{root}/part-*{self.fmt.suffix}")) if fs.exists(root) else set()
-            return commits, parts
+            return fs.glob(f"{root}/{COMMITS}/part-*.json") if fs.exists(f"{root}/{COMMITS}") else []
 
         return retry(go, self.url)
 
@@ -165,12 +176,10 @@ class OutputFolder:
 
     def part_names(self) -> list[str]:
         """The parts present, by name, sorted."""
-        return sorted(p.rsplit("/", 1)[-1] for p in self.listing()[1])
+        return sorted(self.fmt.parts(self))
 
-    @contextlib.contextmanager
-    def open_part(self, name: str) -> Iterator[PartReader]:
-        with self.fs.open(self.path(name), "rb") as f:
-            yield self.fmt.reader(f)
+    def open_part(self, name: str) -> contextlib.AbstractContextManager[PartReader]:
+        return self.fmt.open_part(self, name)
 
     def read_json(self, name: str) -> Any | None:
         return read_json(self.fs, self.path(name))
@@ -190,7 +199,7 @@ class OutputFolder:
     def state(self, tasks, job: dict, failed_inputs: list) -> OutputState:
         """What the output already holds for these tasks. `job` is the job's fingerprint with its
         digest; results of a different job are refused (JobError), never mixed."""
-        commit_paths, part_paths = self.listing()
+        commit_paths, present = self.commit_paths(), self.fmt.parts(self)
         manifest = self.read_manifest()
         records = [r for r in (read_json(self.fs, c) for c in commit_paths) if r]
         foreign = [r for r in records + ([manifest] if manifest else [])
@@ -208,16 +217,17 @@ class OutputFolder:
             name = self.part_name(t)
             r = by_part.get(name)
             # a part with rows the engine failed is tried again, unless the output was finished with them
-            if (r and r.get("input") == t.input_fingerprint and self.path(name) in part_paths
+            if (r and r.get("input") == t.input_fingerprint and name in present
                     and (finished or not r.get("failed_rows"))):
                 done[t.index] = r
         names = {self.part_name(t) for t in tasks}
-        live = {self.path(n) for n in names}
         # commit records go before their parts, so a part never outlives its record unnoticed
-        stale = [c for c in commit_paths if c.rsplit("/", 1)[-1][: -len(".json")] + self.fmt.suffix not in names]
-        stale += sorted(x for x in part_paths if x not in live)
-        complete = finished and len(done) == len(tasks) and not stale and not failed_inputs
-        return OutputState(done, stale, complete)
+        stale_records = [c for c in commit_paths
+                         if c.rsplit("/", 1)[-1].removesuffix(".json") + self.fmt.suffix not in names]
+        stale_parts = sorted(n for n in present if n not in names)
+        complete = (finished and len(done) == len(tasks) and not stale_records and not stale_parts
+                    and not failed_inputs)
+        return OutputState(done, stale_records, stale_parts, complete)
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -232,7 +242,7 @@ class OutputFolder:
             if errors:
                 lines = "".join(json.dumps(e, default=str) + "\n" for e in errors)
                 write_bytes_atomic(self.fs, self.path(self.errors_name(part_name)), lines.encode())
-            put_file_atomic(self.fs, writer.local_path, self.path(part_name))
+            self.fmt.publish(self, writer, part_name)
             self.write_commit(part_name, record)
         finally:
             writer.discard()
@@ -240,18 +250,9 @@ class OutputFolder:
     def write_commit(self, part_name: str, record: dict) -> None:
         write_json_atomic(self.fs, self._commit_path(part_name), record)
 
-    def copy_part_from(self, src: OutputFolder, part_name: str) -> None:
-        """A part of another output, copied as it is: server-side on one object store."""
-        a, b = src.path(part_name), self.path(part_name)
-        same_fs = type(src.fs) is type(self.fs) and src.fs.storage_options == self.fs.storage_options
-        if is_local(src.fs) and is_local(self.fs):
-            put_file_atomic(self.fs, a, b)  # a temporary file beside it, then a rename
-        elif same_fs:
-            retry(lambda: self.fs.copy(a, b), full_url(self.fs, b))
-        else:
-            with tempfile.TemporaryDirectory() as d:
-                retry(lambda: src.fs.get_file(a, f"{d}/part"), full_url(src.fs, a))
-                put_file_atomic(self.fs, f"{d}/part", b)
+    def copy_part_from(self, src: OutputFolder, src_name: str, part_name: str) -> None:
+        """A part of another output, copied as it is (server-side where the format allows)."""
+        self.fmt.copy_part(src, self, src_name, part_name)
 
     def drop_error_files(self, records) -> None:
         """Remove error files of parts whose current record has no failed rows (redone since)."""
@@ -273,9 +274,13 @@ class OutputFolder:
         for path in paths:
             remove(self.fs, path)
 
+    def remove_stale(self, state: OutputState) -> None:
+        """What no current task owns: records first, then parts."""
+        self.remove(state.stale_records)
+        self.fmt.remove_parts(self, state.stale_parts)
+
     def clear(self) -> None:
         """Remove everything batchembed wrote under the root, marker first."""
-        commit_paths, part_paths = self.listing()
-        self.remove([self.path(SUCCESS), self.path(MANIFEST), self.path(OLD_MANIFEST), *commit_paths,
-                     *sorted(part_paths), *self.error_files(),
-                     self.path(CALIBRATION), self.path(FIDELITY)])
+        self.remove([self.path(SUCCESS), self.path(MANIFEST), self.path(OLD_MANIFEST), *self.commit_paths()])
+        self.fmt.clear(self)
+        self.remove([*self.error_files(), self.path(CALIBRATION), self.path(FIDELITY)])

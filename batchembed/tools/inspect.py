@@ -56,13 +56,13 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
             entry.update(dim=fld.type.list_size, norm_min=float(n.min()), norm_max=float(n.max()),
                          norm_mean=float(n.mean()), vectors_checked=int(len(n)))
         columns.append(entry)
-    return {"output": uri, "finished": out.finished(), "parts": len(parts),
+    return {"output": uri, "format": out.fmt.name, "finished": out.finished(), "parts": len(parts),
             "rows": rows, "columns": columns, "sample": sample, "manifest": manifest}
 
 
 def render(info: dict) -> str:
     """A plain-text table of an inspect result."""
-    lines = [f"{info['output']}: {info['rows']:,} rows in {info['parts']} parts, "
+    lines = [f"{info['output']}: {info.get('format', 'parquet')}, {info['rows']:,} rows in {info['parts']} parts, "
              f"{'finished (_SUCCESS)' if info['finished'] else 'NOT finished (no _SUCCESS)'}"]
     m = info.get("manifest") or {}
     if m:
@@ -73,6 +73,10 @@ def render(info: dict) -> str:
         lines.append(f"counts: {c['rows']:,} rows, {c['embedded']:,} embedded, {c['nulls']:,} null, "
                      f"{c['truncated']:,} truncated, {c['tokens']:,} tokens, "
                      f"{c.get('failed_rows', 0):,} failed in the engine (_errors/)")
+        if (ix := m.get("index")) and ix.get("built"):
+            lines.append(f"index: {ix['type']} ({ix['metric']}) on {ix['column']}"
+                         + (f", BTREE on {ix['id_index']}" if ix.get("id_index") else "")
+                         + f"; built in {ix['seconds']:.1f} s")
     lines.append("")
     lines.append(f"{'column':<24} {'type':<40} {'norm min':>9} {'norm mean':>9} {'norm max':>9}")
     for col in info["columns"]:

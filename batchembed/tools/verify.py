@@ -12,8 +12,8 @@ from ..output.layout import MANIFEST, SUCCESS, OutputFolder
 
 def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], dict]:
     """(problems, summary). No problems means: _SUCCESS is there, every part the manifest
-    lists exists with its row count and vector columns, every vector has norm 1, and
-    no part is there that the manifest does not list."""
+    lists exists with its row count and vector columns, every vector has norm 1, no part
+    or other data is there that the manifest does not list, and its index is there."""
     out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
     manifest = out.read_manifest()
     if manifest is None:
@@ -30,13 +30,18 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
     present = set(out.part_names())
     for extra in sorted(present - set(listed)):
         problems.append(f"{extra}: a part the manifest does not list")
+    for stray in out.fmt.strays(out):
+        problems.append(f"{stray}: data that is no batchembed part (readers of the output see its rows)")
+    index = manifest.get("index") or {}
+    if index.get("built") and index.get("name") not in out.fmt.index_names(out):
+        problems.append(f"the manifest lists the index {index.get('name')}, the output has none of that name")
     rows = vectors = 0
     worst = 0.0
     for name, entry in listed.items():
         if name not in present:
             problems.append(f"{name}: listed in the manifest, missing")
             continue
-        url = out.url_of(name)
+        url = out.part_url(name)
         with out.open_part(name) as part:
             if part.num_rows != entry["rows"]:
                 problems.append(f"{url}: {part.num_rows} rows, the manifest says {entry['rows']}")
