@@ -246,3 +246,15 @@ def test_lance_on_s3_killed_then_run_twice_at_once_gives_every_row_once_with_its
     assert np.isclose(np.linalg.norm(q), 1.0, atol=1e-3)
     problems, _ = verify_output("s3://corpus/lance/out.lance", {"endpoint_url": s3_env.endpoint})
     assert problems == []
+
+
+def test_the_readme_searches_a_lance_output_with_lance_and_lancedb(tmp_path, fake):
+    from test_reading import readme_example
+
+    _corpus(tmp_path, files=1, rows=300)
+    run_job(_job(tmp_path, "emb.lance", output={"index": {"type": "ivf_hnsw_sq"}}), engine=fake, show_progress=False)
+    out = tmp_path / "emb.lance"
+    query = lance.dataset(str(out)).to_table(filter="id = 7")["embedding"][0].values.to_numpy()
+    ns = {"OUT": str(out), "query": query, "os": os}
+    exec(readme_example("lance"), ns)
+    assert ns["hits"]["id"][0].as_py() == 7 and ns["one"].num_rows == 1 and ns["found"][0]["id"] == 7

@@ -293,6 +293,10 @@ class LanceOutput:
                                         ("num_sub_vectors", spec.num_sub_vectors)) if v}
             if "num_partitions" not in kwargs:  # about sqrt(rows), and at least 256 rows to train each
                 kwargs["num_partitions"] = max(1, min(int(rows ** 0.5), rows // 256))
+            if spec.type == "ivf_pq" and "num_sub_vectors" not in kwargs:  # 16 dimensions each, or near that
+                d = ds.schema.field(column).type.list_size
+                kwargs["num_sub_vectors"] = next(k for k in range(max(1, d // 16), 0, -1) if d % k == 0)
+            info.update(num_partitions=kwargs.get("num_partitions"), num_sub_vectors=kwargs.get("num_sub_vectors"))
             try:
                 ds.create_index(column, INDEX_TYPES[spec.type], name=name, metric=spec.metric, replace=True,
                                 **kwargs)
