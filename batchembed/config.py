@@ -148,8 +148,9 @@ class EngineSpec(_Strict):
                                "GPU, or several on one GPU (small models: one engine's Python front end is "
                                "the limit), or one per slice of the CPU cores")
     enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: "
-                                       "compiled on a GPU (the first start compiles, vLLM caches it), "
-                                       "eager on CPU")
+                                       "eager for encoders (BERT-like) and on CPU, compiled for decoder "
+                                       "embedders (Qwen3-Embedding) on a GPU (the first start compiles, "
+                                       "vLLM caches it)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
     stall_timeout_s: float | None = Field(None, gt=0, description="an engine that gives back no vector for "

@@ -32,6 +32,19 @@ class ModelInfo:
     matryoshka_dimensions: tuple[int, ...] | None  # None: not declared
     is_matryoshka: bool
     kv_values_per_token: int | None = None  # K and V values a token keeps in all layers; None: unknown
+    causal: bool = False  # a decoder (Qwen3-Embedding, e5-mistral, ...); False: an encoder (BERT-like)
+
+
+DECODER_TYPES = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
+                 "gpt2", "gpt_neox", "stablelm", "olmo", "olmo2", "internlm2"}
+
+
+def is_causal(config: dict) -> bool:
+    """From a config.json: a decoder-only model (causal attention), as embedders built on LLMs are."""
+    config = config.get("text_config", config)
+    archs = config.get("architectures") or []
+    return (config.get("model_type") in DECODER_TYPES or bool(config.get("is_decoder"))
+            or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs))
 
 
 def kv_values_per_token(config: dict) -> int | None:
@@ -133,6 +146,7 @@ def read_model_info(name: str) -> ModelInfo:
         matryoshka_dimensions=tuple(mdims) if mdims else None,
         is_matryoshka=bool(config.get("is_matryoshka") or mdims),
         kv_values_per_token=kv_values_per_token(config),
+        causal=is_causal(config),
     )
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from helpers import BIN, group_alive, job_dict, start_run, write_parquet
 
-from batchembed.embed.watchdog import child_pids
+from batchembed.embed.watchdog import child_pids, descendant_pids
 
 
 def _comm(pid: int) -> str:
@@ -89,8 +89,9 @@ def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engin
 
 
 def _worker_engine_core(pid: int) -> int | None:
-    """The engine-core process of engine process 0 of an engine.data_parallel run."""
-    workers = [p for p in child_pids(pid) if engine_core(p)]
+    """The engine-core process of engine process 0 of an engine.data_parallel run (engine processes
+    are forked from a server of the run's, executors/preload.py)."""
+    workers = [p for p in descendant_pids(pid) if engine_core(p)]
     return engine_core(sorted(workers)[0]) if workers else None
 
 
@@ -167,7 +168,7 @@ def test_with_two_engines_a_killed_engine_process_is_replaced_and_its_parts_redo
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
                    engine={"data_parallel": 2, "sort_window_rows": 40}, fidelity_check="off")
     proc = start_run(tmp_path, job, stdout=subprocess.PIPE)
-    workers = sorted(p for p in child_pids(proc.pid) if engine_core(p))
+    workers = sorted(p for p in descendant_pids(proc.pid) if engine_core(p))
     assert len(workers) == 2
     os.kill(workers[0], signal.SIGKILL)
     stdout, _ = proc.communicate(timeout=400)

@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -111,8 +112,10 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
         if os.environ.get(SERIAL_START_ENV):
             serial = _FileLock(start_lock)
 
-        log.info("engine process %d: %.1f s from spawn to its plan (interpreter, imports, plan)", replica,
-                 time.time() - spawned_at)
+        from . import preload
+
+        log.info("engine process %d: %.1f s from its start to its plan (vLLM imported once for all engines "
+                 "in %.1f s)", replica, time.time() - spawned_at, preload.IMPORT_SECONDS)
         worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial)
         try:
             worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
@@ -123,6 +126,20 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
         message = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}"
         results_q.put(("error", replica, message, traceback.format_exc()))
+    _exit_now(results_q)
+
+
+def _exit_now(results_q) -> None:
+    """End the engine process without the interpreter's teardown: its engine is closed and its
+    report sent, and tearing down CUDA and vLLM's native threads at exit is where multi-engine
+    runs printed "terminate called without an active exception" or aborted after the summary."""
+    results_q.close()
+    results_q.join_thread()  # the report is in the pipe
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 class _FileLock:
@@ -151,15 +168,20 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     """Hand parts to the workers as they ask, until none is left. A worker process that dies
     without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
     run; the parts it had taken and not committed go back to the list for whoever asks next."""
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+    # Forked from one server that imported vLLM once (preload.py): the engines share that import
+    # and start from a process without threads or CUDA state, as a spawned one would.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["batchembed.executors.preload"])
     results_q = ctx.Queue()
     answers = [ctx.Queue() for _ in range(replicas)]  # part ids (or None) to each worker
     stop = _Flag(ctx)  # set by any worker's failure, or by us
     workdir = tempfile.TemporaryDirectory(prefix="batchembed-engines-")
     start_lock = os.path.join(workdir.name, "start.lock")
     open(start_lock, "wb").close()
-    todo = [t.part_id for t in pending]
-    todo.reverse()  # taken from the end: plan order
+    # the largest parts first, the smallest last: the engines run out of work at nearly the same
+    # moment, each finishing a small part (longest-processing-time-first); taken from the end
+    todo = [t.part_id for t in sorted(pending, key=lambda t: -t.num_rows)]
+    todo.reverse()
     taken: dict[int, list[str]] = {i: [] for i in range(replicas)}
     names = {t.part_id: p.out.part_name(t) for t in pending}
     by_id = {t.part_id: t for t in pending}

@@ -1,0 +1,18 @@
+"""What the engine processes of `engine.data_parallel` share: imported once, by the forkserver
+they are forked from (processes.py), so N engines pay vLLM's import (about 20 s on a fresh GPU
+machine, more when six import at once) once instead of N times, and start from a process that
+has touched no GPU.
+
+The forkserver leaves SIGINT and SIGTERM to the run's own process, as the engine processes do
+(interrupts.ignore), and ends when that process does."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+_t0 = time.perf_counter()
+from vllm import LLM, PoolingParams  # noqa: E402,F401 - the import itself is the point
+
+IMPORT_SECONDS = time.perf_counter() - _t0
