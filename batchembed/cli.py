@@ -82,13 +82,11 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
       batchembed run job.yaml --set output.uri=s3://b/emb/2026-12-02/ --previous s3://b/emb/2026-12-01/
     """
     from . import interrupts
-    from .prefetch import start_prefetch
     from .run import run_job
 
     interrupts.install()
     extra = [*([f"shard={shard}"] if shard else []), *([f"incremental.previous={previous}"] if previous else [])]
     spec = _load(job_file, [*overrides, *extra])
-    start_prefetch()  # the engine's libraries into the page cache while the job is prepared
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())
     s = stats.summary()
     reuse = (f", {s['reused']:,} reused, {s['deleted']:,} deleted" if spec.incremental else "")

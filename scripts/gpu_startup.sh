@@ -3,9 +3,9 @@
 # the first case is the fresh-machine figure (nothing of torch, CUDA or vLLM in the page cache).
 # Needs vLLM 0.24 in ~/site and the bf16 MiniLM in ~/models/minilm (../shared/gpu/README.md).
 #   bash scripts/gpu_startup.sh OUT_DIR
-# 1. fresh: MiniLM, 3,000 rows, one engine, defaults (the engine's libraries prefetched);
-# 2. the page cache dropped (where the machine lets root do it), then the same without prefetch
-#    (BATCHEMBED_PREFETCH=0), dropped again, then with it;
+# 1. fresh: MiniLM, 3,000 rows, one engine, defaults;
+# 2. cold: the page cache dropped (where the machine lets root do it), the same job again: what a
+#    fresh machine costs beyond its cold disk (first CUDA use on the machine, its caches);
 # 3. six engines on the GPU (engine.data_parallel=6), page cache warm.
 # Each writes OUT_DIR/<case>.log and .json (the run's summary); OUT_DIR/startup.md the table.
 set -uo pipefail
@@ -31,14 +31,14 @@ drop() { sync; if echo 3 > /proc/sys/vm/drop_caches 2> /dev/null; then echo "(pa
 {
   echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%F)"
   run fresh
-  if drop; then run cold-noprefetch BATCHEMBED_PREFETCH=0; drop; run cold-prefetch; fi
+  if drop; then run cold; fi
   run six-engines -- --set engine.data_parallel=6
 } | tee "$OUT/startup.txt"
 python3 - "$OUT" <<'PY' > "$OUT/startup.md"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print("| case | engines | engine start s | whole run s |\n|---|---|---|---|")
-for name in ("fresh", "cold-noprefetch", "cold-prefetch", "six-engines"):
+for name in ("fresh", "cold", "six-engines"):
     f = out / f"{name}.json"
     if f.exists() and f.read_text().strip():
         s = json.loads(f.read_text().strip().splitlines()[-1])

@@ -158,6 +158,10 @@ class OutputFolder:
     def part_url(self, part_name: str) -> str:
         return self.fmt.part_url(self, part_name)
 
+    def strays(self) -> list[str]:
+        """Data in the output that is no part (an older layout's manifest.json is no stray)."""
+        return [x for x in self.fmt.strays(self) if x.rsplit("/", 1)[-1] != OLD_MANIFEST]
+
     # --- reading ---------------------------------------------------------------------------
 
     def commit_paths(self) -> list[str]:

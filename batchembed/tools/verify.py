@@ -30,7 +30,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
     present = set(out.part_names())
     for extra in sorted(present - set(listed)):
         problems.append(f"{extra}: a part the manifest does not list")
-    for stray in out.fmt.strays(out):
+    for stray in out.strays():
         problems.append(f"{stray}: data that is no batchembed part (readers of the output see its rows)")
     index = manifest.get("index") or {}
     if index.get("built") and index.get("name") not in out.fmt.index_names(out):
