@@ -160,7 +160,8 @@ def test_reindex_between_parquet_and_lance_reuses_rows(tmp_path, fake):
     a = lance.dataset(str(tmp_path / "v2.lance")).to_table().sort_by("id")
     b = lance.dataset(str(tmp_path / "v3.lance")).to_table().sort_by("id")
     assert a.equals(b.select(a.column_names))
-    for cmd in (["verify", str(tmp_path / "v3.lance")], ["inspect", str(tmp_path / "v3.lance")]):
+    for cmd in (["verify", str(tmp_path / "v3.lance")], ["inspect", str(tmp_path / "v3.lance")],
+                ["report", str(tmp_path / "v3.lance"), "-o", str(tmp_path / "report.html")]):
         r = CliRunner().invoke(cli, cmd)
         assert r.exit_code == 0, r.output
     assert "lance" in CliRunner().invoke(cli, ["inspect", str(tmp_path / "v3.lance")]).output
