@@ -259,3 +259,18 @@ def test_the_readme_searches_a_lance_output_with_lance_and_lancedb(tmp_path, fak
     ns = {"OUT": str(out), "query": query, "os": os}
     exec(readme_example("lance"), ns)
     assert ns["hits"]["id"][0].as_py() == 7 and ns["one"].num_rows == 1 and ns["found"][0]["id"] == 7
+
+
+def test_an_empty_part_and_overwrite_on_a_lance_output(tmp_path, fake):
+    ids = _corpus(tmp_path, files=1, rows=200)
+    spec = _job(tmp_path, input={"where": "id >= 100"})  # the first part keeps no row
+    stats = run_job(spec, engine=fake, show_progress=False)
+    assert stats.rows == 100 and stats.tasks_run == 2
+    folder = OutputFolder.open(str(tmp_path / "out.lance"))
+    assert folder.fmt.name == "lance" and len(folder.part_names()) == 1  # Lance keeps no empty fragment
+    assert run_job(spec, engine=fake, show_progress=False).tasks_skipped == 2  # the empty part is done too
+    assert verify_output(str(tmp_path / "out.lance"), {})[0] == []
+    again = run_job(spec, engine=fake, show_progress=False, overwrite=True)
+    assert again.tasks_run == 2
+    ds = lance.dataset(str(tmp_path / "out.lance"))
+    assert sorted(ds.to_table(columns=["id"]).column("id").to_pylist()) == ids[100:]

@@ -52,6 +52,7 @@ class OutputFormat(Protocol):
     name: str
     suffix: str  # a part's name is its part id and this (".parquet"; "" where parts are not files)
     data_sample: str  # where a data file lands, relative to the root (the output-inside-input check)
+    empty_parts_kept: bool  # False: a part of no rows leaves nothing in the output (its record says so)
 
     def writer(self, schema: pa.Schema, compression: str) -> PartWriter:
         ...

@@ -137,6 +137,7 @@ class LanceOutput:
     name = "lance"
     suffix = ""
     data_sample = "data/x.lance"
+    empty_parts_kept = False  # Lance keeps no fragment of no rows: an empty part is its record alone
 
     def writer(self, schema: pa.Schema, compression: str) -> LancePartWriter:
         return LancePartWriter(schema, compression)
@@ -190,12 +191,16 @@ class LanceOutput:
     @contextlib.contextmanager
     def open_part(self, folder, name: str) -> Iterator[LancePartReader]:
         ds = self.dataset(folder)
-        frags = _live(ds).get(name) if ds is not None else None
-        if not frags:
+        if ds is None:
             raise FileNotFoundError(self.part_url(folder, name))
-        yield LancePartReader(ds, [f.fragment_id for f in frags])
+        # a part of no rows has no fragment: it reads as empty (whether a part should be there
+        # is for its commit record and the manifest to say)
+        yield LancePartReader(ds, [f.fragment_id for f in _live(ds).get(name, ())])
 
     def publish(self, folder, writer: LancePartWriter, name: str) -> None:
+        if writer.rows == 0:  # Lance keeps no fragment of no rows: only an earlier one goes
+            self.remove_parts(folder, [name])
+            return
         uri, opts = self._uri(folder), lance_options(folder.fs)
         file = f"{name}{SEP}{uuid.uuid4().hex}.lance"
 

@@ -221,7 +221,8 @@ class OutputFolder:
             name = self.part_name(t)
             r = by_part.get(name)
             # a part with rows the engine failed is tried again, unless the output was finished with them
-            if (r and r.get("input") == t.input_fingerprint and name in present
+            there = name in present or (r is not None and r.get("rows") == 0 and not self.fmt.empty_parts_kept)
+            if (r and r.get("input") == t.input_fingerprint and there
                     and (finished or not r.get("failed_rows"))):
                 done[t.index] = r
         names = {self.part_name(t) for t in tasks}

@@ -62,6 +62,7 @@ class ParquetOutput:
     name = "parquet"
     suffix = ".parquet"
     data_sample = "part-x.parquet"
+    empty_parts_kept = True
 
     def writer(self, schema: pa.Schema, compression: str) -> ParquetPartWriter:
         return ParquetPartWriter(schema, compression)
