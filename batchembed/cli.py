@@ -163,6 +163,55 @@ def plan(job_file, overrides, as_json):
 @cli.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
+@click.option("--engines", default="1,2,4,6,8", show_default=True, metavar="K,K,...",
+              help="engine.data_parallel values to measure.")
+@click.option("--rows", default=20000, show_default=True, help="Rows of the job's input to measure on.")
+@click.option("--write", "write_to", type=click.Path(dir_okay=False),
+              help="Write the job with the best engine.data_parallel to this file (the job file is never changed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the trials as JSON.")
+def tune(job_file, overrides, engines, rows, write_to, as_json):
+    """Measure engine.data_parallel settings on a sample of the job's input, on this machine.
+
+    Each count runs the same sample from a cold start; the rate while every engine ran, its
+    share of the GPU's FLOP ceiling, and the best count are printed.
+
+    \b
+      batchembed tune jobs/wiki.yaml --engines 1,2,4,8 --write jobs/wiki.tuned.yaml
+    """
+    from datetime import date
+
+    import yaml
+
+    from . import interrupts
+    from .tune import as_dicts, best, render
+    from .tune import tune as run_tune
+
+    try:
+        counts = sorted({int(x) for x in engines.split(",") if x.strip()})
+    except ValueError:
+        raise JobError(f"--engines {engines!r}: expected counts like 1,2,4") from None
+    if not counts or min(counts) < 1 or rows < 1:
+        raise JobError("--engines and --rows must be positive")
+    interrupts.install()
+    spec = _load(job_file, overrides)
+    trials, accelerator = run_tune(spec, counts, rows)
+    click.echo(json.dumps({"accelerator": accelerator, "trials": as_dicts(trials)}, indent=2) if as_json
+               else render(trials, accelerator))
+    if write_to:
+        with open(job_file) as f:
+            raw = yaml.safe_load(f) or {}
+        raw.setdefault("engine", {})["data_parallel"] = best(trials).engines
+        header = "".join(f"# {line}\n" for line in [f"written by batchembed tune on {date.today()} from {job_file}:",
+                                                      *render(trials, accelerator).splitlines()])
+        with open(write_to, "w") as f:
+            f.write(header + yaml.safe_dump(raw, sort_keys=False))
+        _load(write_to, overrides)  # what was written is a valid job
+        click.echo(f"batchembed: wrote {write_to} (engine.data_parallel: {best(trials).engines})", err=True)
+
+
+@cli.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
 def finalize(job_file, overrides):
     """Write _manifest.json and _SUCCESS once every part is committed (after sharded runs).
 

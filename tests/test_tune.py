@@ -1,0 +1,44 @@
+"""`batchembed tune`: engine counts measured on a sample of the job's input, the best written
+into a copy of the job (the real engine, on this machine's CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from click.testing import CliRunner
+from helpers import job_dict, write_parquet
+
+from batchembed.cli import cli
+from batchembed.config import load_job
+from batchembed.tune import flops_per_token
+
+
+def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet",
+                  {"id": list(range(500)), "text": [f"row {i}: " + "tuning words " * (i % 9 + 2) for i in range(500)]},
+                  row_group_size=100)
+    job = job_dict(tmp_path / "in", tmp_path / "out", fidelity_check="off")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    before = (tmp_path / "job.yaml").read_text()
+    r = CliRunner().invoke(cli, ["tune", str(tmp_path / "job.yaml"), "--engines", "1,2", "--rows", "300",
+                                 "--write", str(tmp_path / "tuned.yaml"), "--json"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout[r.stdout.index("{"):])
+    assert [t["engines"] for t in result["trials"]] == [1, 2]
+    assert all(t["rows"] == 300 and t["tokens"] > 0 and t["running_tokens_per_s"] > 0 for t in result["trials"])
+    tuned = load_job(tmp_path / "tuned.yaml")
+    assert tuned.engine.data_parallel in (1, 2) and tuned.output.uri == str(tmp_path / "out")
+    assert (tmp_path / "job.yaml").read_text() == before  # the job file is never changed
+    assert not (tmp_path / "out").exists()  # the trials wrote elsewhere
+
+
+def test_flops_per_token_of_a_bert_and_a_decoder_shape():
+    bert = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536,
+            "hidden_act": "gelu"}
+    assert flops_per_token(bert, 0) == 2 * 6 * (4 * 384 * 384 + 2 * 384 * 1536)
+    qwen = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "hidden_act": "silu"}
+    per_layer = 1024 * 16 * 128 + 2 * 1024 * 8 * 128 + 16 * 128 * 1024 + 3 * 1024 * 3072
+    assert flops_per_token(qwen, 512) == 2 * 28 * per_layer + 4 * 28 * 16 * 128 * 512
+    assert flops_per_token({}, 80) is None
