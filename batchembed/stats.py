@@ -36,6 +36,19 @@ class RunResult:
     engine_seconds: float = 0.0  # busy time of the average engine
     steady_tokens_per_s: float | None = None
     throughput: list = field(default_factory=list)
+    tail_seconds: float | None = None  # from the first engine's last call to the last engine's
+    window_seconds: float | None = None  # the median engine call (one window's work)
+
+
+def tail(calls: list[Calls]) -> tuple[float | None, float | None]:
+    """(tail, window): how long the first engine to run out of work waited for the last one,
+    and the median call, a window's work. With one engine, no tail."""
+    flat = [t1 - t0 for c in calls for t0, t1, _ in c]
+    window = round(float(np.median(flat)), 3) if flat else None
+    if len(calls) < 2:
+        return None, window
+    ends = [c[-1][1] for c in calls]
+    return round(max(ends) - min(ends), 3), window
 
 
 def combine(reports: list[WorkerReport], wall_seconds: float) -> RunResult:
@@ -54,6 +67,8 @@ def combine(reports: list[WorkerReport], wall_seconds: float) -> RunResult:
         engine_seconds=sum(r.engine_seconds for r in started) / max(1, len(started)),
         steady_tokens_per_s=steady_rate(calls),
         throughput=throughput(calls),
+        tail_seconds=tail(calls)[0],
+        window_seconds=tail(calls)[1],
     )
 
 
@@ -122,6 +137,8 @@ class Stats:
     pipeline_seconds: float = 0.0  # from the first read to the last commit
     engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
     steady_tokens_per_s: float | None = None  # while every engine was running (see steady_rate)
+    tail_seconds: float | None = None  # engines done waiting for the last one (see tail)
+    window_seconds: float | None = None  # one window's work, the median engine call
     throughput: list = field(default_factory=list)  # [seconds, tok/s] per time slice; in the manifest only
     index: dict | None = None  # output.index as built (or kept) by this run, with its build seconds
 
@@ -142,6 +159,7 @@ class Stats:
         self.pipeline_seconds = result.pipeline_seconds
         self.engine_seconds = result.engine_seconds
         self.steady_tokens_per_s = result.steady_tokens_per_s
+        self.tail_seconds, self.window_seconds = result.tail_seconds, result.window_seconds
         self.throughput = result.throughput
 
     def summary(self) -> dict:

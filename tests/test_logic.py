@@ -9,7 +9,7 @@ from batchembed.inputs.base import InputFile
 from batchembed.output.layout import OutputFolder
 from batchembed.output.records import COUNTS, HISTOGRAM_BINS, commit_record, copied_record
 from batchembed.plan import make_tasks, shard_tasks
-from batchembed.stats import RunResult, Stats, WorkerReport, combine, steady_rate, throughput
+from batchembed.stats import RunResult, Stats, WorkerReport, combine, steady_rate, tail, throughput
 
 
 def _file(rel: str, groups: tuple[int, ...], etag: str = "e1") -> InputFile:
@@ -36,6 +36,13 @@ def test_shards_are_disjoint_cover_every_task_and_are_even(parts, count):
     assert max(map(len, shards)) - min(map(len, shards)) <= 1  # two parts, two shards: one each
     assert all([t.index for t in s] == sorted(t.index for t in s) for s in shards)  # plan order kept
     assert [t.index for t in shard_tasks(tasks, (0, count))] == [t.index for t in shards[0]]  # the same every time
+
+
+def test_the_tail_is_how_long_the_first_engine_done_waited_for_the_last():
+    a = [(0.0, 1.0, 100), (1.0, 2.0, 100), (2.0, 3.0, 100)]
+    b = [(0.5, 1.5, 100), (1.5, 4.5, 100)]
+    assert tail([a, b]) == (1.5, 1.0)  # a ended at 3.0, b at 4.5; the median call takes 1 s
+    assert tail([a]) == (None, 1.0) and tail([]) == (None, None)
 
 
 def test_steady_rate_counts_only_while_every_engine_runs():

@@ -159,6 +159,9 @@ class _FileLock:
 def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) -> RunResult:
     """Run the pending tasks on `replicas` engine processes. Raises RunError if any fails."""
     result, error = _supervise(p, pending, progress, replicas)
+    if result.tail_seconds is not None:
+        log.info("the first engine to run out of parts waited %.1f s for the last (one window's work: %.1f s)",
+                 result.tail_seconds, result.window_seconds or 0.0)
     if error:  # raised here, once the queues are gone, so none of their semaphores is reported leaked
         raise RunError(error)
     return result
