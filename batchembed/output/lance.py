@@ -154,8 +154,13 @@ class LanceOutput:
         """The dataset (latest version), or None when there is none yet."""
         if not self._exists(folder):
             return None
-        return retry(lambda: lance.dataset(self._uri(folder), version=version,
-                                              storage_options=lance_options(folder.fs)), folder.url)
+        try:
+            return retry(lambda: lance.dataset(self._uri(folder), version=version,
+                                               storage_options=lance_options(folder.fs)), folder.url)
+        except ValueError as e:  # _versions/ is there, its first manifest not yet: being created
+            if "not found" in str(e).lower():
+                return None
+            raise
 
     def _create(self, folder, schema: pa.Schema) -> None:
         if is_local(folder.fs):
@@ -214,8 +219,10 @@ class LanceOutput:
         seen = None
         for attempt in range(COMMIT_ATTEMPTS):
             ds = self.dataset(folder)
-            if ds is None:
+            if ds is None:  # none yet, or another thread or run creating it
                 self._create(folder, writer.schema)
+                if self.dataset(folder) is None:
+                    self._backoff(attempt)
                 continue
             live = _live(ds)
             old = sorted(f.fragment_id for f in live.get(name, ()))
