@@ -275,3 +275,15 @@ def test_an_empty_part_and_overwrite_on_a_lance_output(tmp_path, fake):
     assert again.tasks_run == 2
     ds = lance.dataset(str(tmp_path / "out.lance"))
     assert sorted(ds.to_table(columns=["id"]).column("id").to_pylist()) == ids[100:]
+
+
+def test_without_pylance_a_lance_job_is_refused_with_the_install_hint(monkeypatch):
+    import sys
+
+    from batchembed.errors import JobError
+    from batchembed.output import get_format
+
+    monkeypatch.setitem(sys.modules, "lance", None)  # import lance fails, as when it is not installed
+    monkeypatch.delitem(sys.modules, "batchembed.output.lance", raising=False)
+    with pytest.raises(JobError, match=r"output.format: lance needs lance: pip install 'batchembed\[lance\]'"):
+        get_format("lance")
