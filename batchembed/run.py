@@ -44,12 +44,14 @@ def _reporter(bar):
 def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
     """Parts are the unit of work: with few per engine, the last ones run while the rest wait."""
     engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
-    if engines > 1 and len(pending) < 3 * engines:
+    # The engines that finish first wait for the last part in progress: up to a part's work. Six
+    # bge-base engines on an H200 with 3.3 parts each waited 11 s of a 154 s job at the end.
+    if engines > 1 and len(pending) < 6 * engines:
         rows = sum(t.num_rows for t in pending)
-        log.warning("%d parts for %d engines: the last parts will run on a few engines while the others "
-                    "wait. output.rows_per_part: %d would give about 4 parts per engine (a part is cut at "
-                    "row-group boundaries, so files need row groups of at most that many rows)",
-                    len(pending), engines, max(1, rows // (4 * engines)))
+        log.warning("%d parts for %d engines: at the end, engines that are done wait for the last parts, up "
+                    "to a part's work each. output.rows_per_part: %d would give about 10 parts per engine (a "
+                    "part is cut at row-group boundaries, so files need row groups of at most that many rows)",
+                    len(pending), engines, max(1, rows // (10 * engines)))
 
 
 def _execute(p: Prepared, pending: list[Task], progress, engine) -> RunResult:
