@@ -147,7 +147,7 @@ class OutputFolder:
         return task.part_id + self.fmt.suffix
 
     def _stem(self, part_name: str) -> str:
-        return part_name.removesuffix(self.fmt.suffix) if self.fmt.suffix else part_name
+        return part_name.removesuffix(self.fmt.suffix)
 
     def _commit_path(self, part_name: str) -> str:
         return self.path(f"{COMMITS}/{self._stem(part_name)}.json")
