@@ -114,6 +114,10 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if overwrite and shard:
         raise JobError("--overwrite with a shard would let each shard erase the others' parts; "
                        "run --overwrite once unsharded, or write to a new output.uri")
+    if spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None:
+        from .executors.processes import start_early
+
+        start_early()  # vLLM's import for the engine processes, while this one plans
     p = prepare(spec)
     out = p.out
     if overwrite:

@@ -8,6 +8,9 @@
 #    fresh machine costs beyond its cold disk (first CUDA use on the machine, its caches);
 # 3. six engines on the GPU (engine.data_parallel=6), page cache warm.
 # Each writes OUT_DIR/<case>.log and .json (the run's summary); OUT_DIR/startup.md the table.
+# First, as `pip install` does, the bundle's Python files are compiled to bytecode (timed apart):
+# ../shared/gpu unpacks wheels without it, and a first import would compile vLLM and its
+# dependencies on the way, a cost no user who installed with pip pays.
 set -uo pipefail
 OUT=${1:?usage: gpu_startup.sh OUT_DIR}
 export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -28,8 +31,12 @@ run() {  # run NAME [ENV=VALUE ...] [-- --set KEY=VALUE ...]
 }
 drop() { sync; if echo 3 > /proc/sys/vm/drop_caches 2> /dev/null; then echo "(page cache dropped)"; return 0; fi
          echo "(this machine does not let the page cache be dropped: cold cases skipped)"; return 1; }
+t0=$(date +%s.%N)
+python3 -m compileall -q -j 0 ~/site > /dev/null 2>&1 || true
+compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 {
   echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%F)"
+  echo "bytecode of ~/site compiled first, as pip install does: $compiled s (not counted below)"
   run fresh
   if drop; then run cold; fi
   run six-engines -- --set engine.data_parallel=6

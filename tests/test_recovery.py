@@ -35,7 +35,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     ids = list(range(480))
     texts = [f"row {i}: " + "an engine that dies mid-run is replaced " * (i % 5 + 2) for i in ids]
     write_parquet(tmp_path / "in" / "docs.parquet", {"id": ids, "text": texts}, row_group_size=40)
-    engine = {"sort_window_rows": 40, **({"stall_timeout_s": 10} if fault == "stop" else {})}
+    # an engine in processes of its own, replaced in place (engine.in_process: false; CPU's default is
+    # in process: test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finishes)
+    engine = {"sort_window_rows": 40, "in_process": False, **({"stall_timeout_s": 10} if fault == "stop" else {})}
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, engine=engine,
                    fidelity_check="off")
     proc = start_run(tmp_path, job, stdout=subprocess.PIPE)
@@ -88,6 +90,51 @@ def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engin
     assert ok.failed_rows == 1 and (tmp_path / "out2" / "_SUCCESS").exists()
 
 
+def engine_processes(pid: int) -> list[int]:
+    """The engine processes of an engine.data_parallel run: the children of the forkserver they are
+    forked from (executors/processes.py), whether their engines run in them or in processes of
+    their own."""
+    def cmdline(p: int) -> str:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    servers = [p for p in child_pids(pid) if "forkserver" in cmdline(p)]
+    return sorted(p for s in servers for p in child_pids(s))
+
+
+def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finishes(tmp_path):
+    """CPU's default, engine.in_process: a step that never returns cannot be woken or replaced from
+    within: the watchdog ends the process with exit 1 and says why; what was committed stands."""
+    from batchembed.embed.engine import HANG_TOKEN_ENV
+    from batchembed.embed.tokenizer import Tokenizer
+    from batchembed.model import resolve_model_dir
+
+    ids = list(range(200))
+    texts = [f"row {i}: a quiet sentence about the sea" for i in ids]
+    texts[150] = "row 150: a stalled sentence"
+    write_parquet(tmp_path / "in" / "docs.parquet", {"id": ids, "text": texts}, row_group_size=50)
+    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 50},
+                   engine={"sort_window_rows": 50, "windows_in_flight": 1, "stall_timeout_s": 5},
+                   fidelity_check="off")
+    marker = Tokenizer(resolve_model_dir(job["model"]["name"]), 64)(["stalled"]).ids[0][1]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    run = [BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, HANG_TOKEN_ENV: str(marker)}, start_new_session=True)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "no vector came back for" in proc.stderr and "It runs in this process (engine.in_process)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    commits = sorted(p.name for p in (tmp_path / "out" / "_commits").glob("*.json"))
+    assert len(commits) == 3  # the parts before the stalled row's
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    again = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids  # every row once
+
+
 def _worker_engine_core(pid: int) -> int | None:
     """The engine-core process of engine process 0 of an engine.data_parallel run (engine processes
     are forked from a server of the run's, executors/preload.py)."""
@@ -100,7 +147,8 @@ def test_with_two_engines_on_s3_one_killed_is_replaced_and_the_run_finishes(tmp_
 
     fs = s3_env.fs()
     ids = corpus(fs, "corpus/heal/in", files=8, rows=60, words=20)
-    job = s3_job("heal", engine={"data_parallel": 2, "sort_window_rows": 30}, fidelity_check="off")
+    job = s3_job("heal", engine={"data_parallel": 2, "sort_window_rows": 30, "in_process": False},
+                 fidelity_check="off")
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     env = {**os.environ, **s3_env.env, "TEST_S3_ENDPOINT": s3_env.endpoint}
     proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=subprocess.PIPE,
@@ -126,7 +174,7 @@ def test_past_max_restarts_the_run_stops_with_exit_1_and_keeps_its_parts(tmp_pat
     write_parquet(tmp_path / "in" / "docs.parquet",
                   {"id": ids, "text": [f"row {i}: " + "engines that keep dying " * 8 for i in ids]}, row_group_size=40)
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
-                   engine={"sort_window_rows": 40, "max_restarts": 0}, fidelity_check="off")
+                   engine={"sort_window_rows": 40, "max_restarts": 0, "in_process": False}, fidelity_check="off")
     proc = start_run(tmp_path, job)
     commits = tmp_path / "out" / "_commits"
     os.kill(engine_core(proc.pid), signal.SIGKILL)
@@ -145,7 +193,8 @@ def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
     write_parquet(tmp_path / "in" / "docs.parquet",
                   {"id": ids, "text": [f"row {i}: " + "an orphaned engine holds memory " * 8 for i in ids]},
                   row_group_size=40)
-    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, fidelity_check="off")
+    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, engine={"in_process": False},
+                   fidelity_check="off")
     proc = start_run(tmp_path, job)
     core = engine_core(proc.pid)
     engine = [core, *child_pids(core)]
@@ -168,7 +217,7 @@ def test_with_two_engines_a_killed_engine_process_is_replaced_and_its_parts_redo
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
                    engine={"data_parallel": 2, "sort_window_rows": 40}, fidelity_check="off")
     proc = start_run(tmp_path, job, stdout=subprocess.PIPE)
-    workers = sorted(p for p in descendant_pids(proc.pid) if engine_core(p))
+    workers = engine_processes(proc.pid)
     assert len(workers) == 2
     os.kill(workers[0], signal.SIGKILL)
     stdout, _ = proc.communicate(timeout=400)

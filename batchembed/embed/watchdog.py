@@ -80,8 +80,10 @@ class Watchdog:
     """A thread that checks an engine once a second. `busy()` says whether sequences are queued;
     `progress()` is called by the engine whenever vectors come back (or work starts)."""
 
-    def __init__(self, procs: list[tuple[int, str]], busy, wake, stall_timeout_s: float | None):
+    def __init__(self, procs: list[tuple[int, str]], busy, wake, stall_timeout_s: float | None,
+                 in_process: bool = False):
         self.procs, self.busy, self.wake, self.fixed = procs, busy, wake, stall_timeout_s
+        self.in_process = in_process
         self.failure: str | None = None
         self.slowest = 0.0
         self._last = time.monotonic()
@@ -113,6 +115,8 @@ class Watchdog:
             reason = self._check()
             if reason is not None:
                 self.failure = reason
+                if self.in_process:
+                    _end_this_process(reason)
                 log.warning("engine failed: %s; ending its processes", reason)
                 kill_tree(self.procs)
                 self.wake(reason)
@@ -120,3 +124,21 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _end_this_process(reason: str) -> None:
+    """An engine in this process (engine.in_process) that hangs holds the step that waits on it:
+    nothing here can wake or replace it. End the process with exit 1: committed parts stand and
+    a rerun resumes; with data_parallel, the supervisor starts another engine process and hands
+    this one's unfinished parts out again."""
+    import sys
+
+    log.error("engine failed: %s. It runs in this process (engine.in_process), which cannot replace it: "
+              "ending the process (exit 1); committed parts are kept and a rerun resumes. With "
+              "engine.in_process: false an engine runs in processes of its own and is replaced in place",
+              reason)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)

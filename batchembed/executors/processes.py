@@ -11,12 +11,14 @@ progress and its WorkerReport back. The parent plans, resumes and writes the man
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -70,7 +72,6 @@ def _die_with_parent() -> None:
     """Linux: this worker gets SIGKILL when its parent dies, so a killed run leaves no engine behind."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - elsewhere the worker ends when its queue does
@@ -167,14 +168,47 @@ def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) 
     return result
 
 
+def _context():
+    """Engine processes are forked from one server that imported vLLM once (preload.py): the
+    engines share that import and start from a process without threads or CUDA state, as a
+    spawned one would."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["batchembed.executors.preload"])
+    return ctx
+
+
+def start_early() -> None:
+    """Start the forkserver, and with it vLLM's import (about 20 s on a GPU machine), now: the run
+    plans, reads what the output holds and copies what a previous output gives meanwhile. It is
+    stopped when this process exits, even in the middle of its import (`_stop_forkserver`)."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+    atexit.unregister(_stop_forkserver)  # once, however many runs this process makes
+    atexit.register(_stop_forkserver)
+
+
+def _stop_forkserver() -> None:
+    """Kill the forkserver: on its own it ends when this process does, but only once its import is
+    done, which would outlive a run that ended early (a bad job, a complete output) by seconds."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the stdlib keeps the pid there and nowhere else
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError, ValueError):
+        server._stop()  # noqa: SLF001 - reaps it and removes its socket
+
+
 def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tuple[RunResult, str | None]:
     """Hand parts to the workers as they ask, until none is left. A worker process that dies
     without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
     run; the parts it had taken and not committed go back to the list for whoever asks next."""
-    # Forked from one server that imported vLLM once (preload.py): the engines share that import
-    # and start from a process without threads or CUDA state, as a spawned one would.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["batchembed.executors.preload"])
+    ctx = _context()
     results_q = ctx.Queue()
     answers = [ctx.Queue() for _ in range(replicas)]  # part ids (or None) to each worker
     stop = _Flag(ctx)  # set by any worker's failure, or by us
