@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A whole-job GPU figure as a user gets it without hand-tuning: `batchembed tune` measures engine
+# counts on a sample of the job's corpus and writes the best into a copy of the job, then
+# `batchembed run` runs that job on the whole corpus, timed from process start to exit.
+# Needs vLLM 0.24 in ~/site and ~/models/minilm (../shared/gpu/README.md); makes the random-weight
+# bge-base and Qwen3-0.6B shapes with mkmodels.py (MKMODELS, default ../shared/gpu/mkmodels.py).
+#   bash scripts/gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS
+#   e.g. bash scripts/gpu_tuned.sh out/t bge-base 80 500 2000000 4,6,8 200000
+# The corpus is scripts/make_demo_corpus.py's (docstrings joined to MIN_CHARS, 8 files).
+# output.rows_per_part is what the run's own warning asks for (about 10 parts per engine), once the
+# engine count is known. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result.json}
+# and OUT_DIR.tgz.
+set -uo pipefail
+OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
+MODEL=$2 LEN=$3 CHARS=$4 ROWS=$5 ENGINES=$6 SAMPLE=$7
+export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+MK=${MKMODELS:-../shared/gpu/mkmodels.py}
+MODELS=${MODELS:-~/models}
+mkdir -p "$OUT"
+[ -d "$MODELS/$MODEL" ] || python3 "$MK" "$MODELS/minilm" "$MODELS" > "$OUT/mkmodels.log" 2>&1
+W=$(mktemp -d)
+python3 scripts/make_demo_corpus.py "$W/corpus" --rows "$ROWS" --files 8 --min-chars "$CHARS" > "$OUT/corpus.log" 2>&1 \
+  || { cat "$OUT/corpus.log"; exit 1; }
+printf 'name: tuned\ninput: {uri: %s, text_column: text, id_column: id}\nmodel: {name: %s, max_length: %s, dtype: bfloat16}\noutput: {uri: %s}\n' \
+  "$W/corpus" "$MODELS/$MODEL" "$LEN" "$W/out" > "$OUT/job.yaml"
+t0=$(date +%s.%N)
+python3 -m batchembed.cli tune "$OUT/job.yaml" --engines "$ENGINES" --rows "$SAMPLE" --write "$OUT/tuned.yaml" \
+  > "$OUT/tune.txt" 2> "$OUT/tune.log"
+echo "tune: exit $?, $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"; cat "$OUT/tune.txt"
+[ -f "$OUT/tuned.yaml" ] || { tail -20 "$OUT/tune.log"; exit 1; }
+k=$(python3 -c "import yaml, sys; print(yaml.safe_load(open(sys.argv[1]))['engine']['data_parallel'])" "$OUT/tuned.yaml")
+parts=$((ROWS / (10 * k)))
+t0=$(date +%s.%N)
+python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress --set output.rows_per_part="$parts" \
+  > "$OUT/run.json" 2> "$OUT/run.log"
+rc=$?
+wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+python3 - "$OUT" "$wall" "$rc" "$k" "$parts" <<'PY'
+import json, pathlib, sys
+out, wall, rc, k, parts = pathlib.Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+s = json.loads(out.joinpath("run.json").read_text().strip().splitlines()[-1]) if rc == 0 else {}
+r = {"exit": rc, "engines": k, "rows_per_part": parts, "wall_s": wall,
+     "tok_s_whole_process": round(s["tokens"] / wall) if s else None,
+     **{key: s.get(key) for key in ("tokens", "seconds", "tokens_per_s", "steady_tokens_per_s",
+                                     "engine_start_seconds", "tail_seconds", "window_seconds", "engine_idle_share")}}
+out.joinpath("result.json").write_text(json.dumps(r, indent=1))
+print(json.dumps(r))
+PY
+grep -h "first engine to run out\|up: import\|imported once" "$OUT/run.log" | sed 's/.*INFO //' | head -3
+rm -rf "$W"
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
