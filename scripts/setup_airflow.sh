@@ -8,6 +8,7 @@ if .venv-airflow/bin/python -c "import airflow.sdk, airflow.providers.standard" 
   exit 0
 fi
 echo "setup: creating .venv-airflow (Airflow 3; first time: a few minutes)"
+if [ -L .venv-airflow ] && [ ! -e .venv-airflow ]; then rm .venv-airflow; fi  # a link to a folder that is gone
 [ -x .venv-airflow/bin/python ] || "$PY" -m venv .venv-airflow
 .venv-airflow/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location 'file:" || true
 .venv-airflow/bin/python -m pip install -q "apache-airflow>=3,<4" apache-airflow-providers-standard 2>&1 \
