@@ -26,7 +26,9 @@ def engine(model_info):
     from batchembed.config import EngineSpec
     from batchembed.embed.engine import Engine
 
-    eng = Engine(model_info, "float32", model_info.max_length, EngineSpec())
+    # in processes of its own: an engine in this process would share vLLM's per-process state with
+    # the engines that runs started by tests build and close in it (engine.py); those run in it
+    eng = Engine(model_info, "float32", model_info.max_length, EngineSpec(in_process=False))
     yield eng
     eng.close()
 

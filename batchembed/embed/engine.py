@@ -256,6 +256,9 @@ def _prompt_maker():
 _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
+_in_process_engines: set[int] = set()  # the engines of this process that run in it (ids)
+
+
 def default_in_process(spec: EngineSpec, on_cpu: bool) -> bool:
     """engine.in_process when the job leaves it out: vLLM's own switch if the user set it, else in
     process on CPU only.
@@ -306,6 +309,11 @@ class Engine:
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
                         "model.dtype: float32", dtype)
         self.in_process = default_in_process(spec, self.on_cpu)
+        if self.in_process and _in_process_engines and spec.in_process is None:
+            # vLLM keeps an engine's parallel state per process: a second engine in it, closed, would
+            # tear down the first one's ("pipeline model parallel group is not initialized")
+            log.info("another engine runs in this process: this one gets processes of its own")
+            self.in_process = False
         if self.on_cpu:
             cpu_engine_env(self.in_process)
         env, sharing = _placement(replica, replicas, self.on_cpu)
@@ -374,6 +382,8 @@ class Engine:
         # weights, compile or its cache, CUDA graphs) once per engine
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s", replica + 1, replicas, t1 - t0,
                  time.perf_counter() - t1)
+        if self.in_process:
+            _in_process_engines.add(id(self))
         if self.on_cpu:
             _quiet_front_end(self.llm)
         self._params = PoolingParams(task="embed")
@@ -501,6 +511,7 @@ class Engine:
         self.watchdog.stop()
         self._slots = {}
         self.llm = None
+        _in_process_engines.discard(id(self))
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             try:
