@@ -114,10 +114,15 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if overwrite and shard:
         raise JobError("--overwrite with a shard would let each shard erase the others' parts; "
                        "run --overwrite once unsharded, or write to a new output.uri")
-    if spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None:
-        from .executors.processes import start_early
+    from .executors.processes import forkserver_ahead
 
-        start_early()  # vLLM's import for the engine processes, while this one plans
+    # vLLM's import for engine processes starts now, while this process plans
+    with forkserver_ahead(spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None):
+        return _run_job(spec, engine, overwrite, show_progress, started)
+
+
+def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, started: float) -> Stats:
+    shard = spec.shard_of
     p = prepare(spec)
     out = p.out
     if overwrite:

@@ -106,3 +106,18 @@ def test_other_libraries_log_at_warning_unless_debug_is_asked_for():
         assert shown("batchembed.run", logging.DEBUG)
     finally:
         setup_logging("WARNING")
+
+
+def test_a_run_that_ends_before_its_engines_leaves_no_forkserver_behind(tmp_path):
+    """engine.data_parallel starts the forkserver (vLLM's import for the engine processes) before
+    the job is planned; a job refused while planning must not leave it importing after the exit."""
+    from helpers import group_alive
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "missing" / "*.parquet", tmp_path / "out",
+                                           engine={"data_parallel": 2})))
+    proc = subprocess.Popen([BIN, "run", str(job), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "run.log", "w"), start_new_session=True)
+    assert proc.wait(timeout=120) == 2
+    assert "no Parquet files" in (tmp_path / "run.log").read_text()
+    assert group_alive(proc.pid) == [], "a process of the run outlived it"

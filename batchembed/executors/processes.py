@@ -11,7 +11,6 @@ progress and its WorkerReport back. The parent plans, resumes and writes the man
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import logging
@@ -177,21 +176,31 @@ def _context():
     return ctx
 
 
-def start_early() -> None:
-    """Start the forkserver, and with it vLLM's import (about 20 s on a GPU machine), now: the run
-    plans, reads what the output holds and copies what a previous output gives meanwhile. It is
-    stopped when this process exits, even in the middle of its import (`_stop_forkserver`)."""
-    from multiprocessing import forkserver
+_engines_started = False  # whether any engine process was forked in this process's life
 
-    _context()
-    forkserver.ensure_running()
-    atexit.unregister(_stop_forkserver)  # once, however many runs this process makes
-    atexit.register(_stop_forkserver)
+
+@contextlib.contextmanager
+def forkserver_ahead(wanted: bool):
+    """Start the forkserver, and with it vLLM's import (about 20 s on a GPU machine), now, when the
+    run will want engine processes: the run plans, reads what its output holds and copies what a
+    previous output gives meanwhile. If the run ends before any engine process was started (a
+    bad job, a complete output), the forkserver is killed, even in the middle of its import, which
+    it would otherwise finish before noticing that this process is gone. Kept after runs that
+    used it: a later run in this process (a library user's, the tests') starts its engines at once."""
+    if wanted:
+        from multiprocessing import forkserver
+
+        _context()
+        forkserver.ensure_running()
+    try:
+        yield
+    finally:
+        if wanted and not _engines_started:
+            _stop_forkserver()
 
 
 def _stop_forkserver() -> None:
-    """Kill the forkserver: on its own it ends when this process does, but only once its import is
-    done, which would outlive a run that ended early (a bad job, a complete output) by seconds."""
+    """Kill the forkserver and reap it."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # noqa: SLF001 - the stdlib keeps the pid there and nowhere else
@@ -226,6 +235,8 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
     level = logging.getLogger("batchembed").getEffectiveLevel()
 
     def start(i: int):
+        global _engines_started
+        _engines_started = True
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
                         args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
                               time.time()))
