@@ -337,10 +337,10 @@ def _start_with_tcmalloc() -> None:
     Nothing happens where TCMalloc is missing, or another allocator is already preloaded."""
     if os.environ.get(_REEXEC_ENV) or not {"run", "tune"} & set(sys.argv[1:]) or os.path.exists("/dev/nvidiactl"):
         return
-    from .embed.engine import _ALLOCATORS, tcmalloc_path
+    from .embed.engine import ALLOCATORS, tcmalloc_path
 
     preload = os.environ.get("LD_PRELOAD", "")
-    lib = None if any(a in preload for a in _ALLOCATORS) else tcmalloc_path()
+    lib = None if any(a in preload for a in ALLOCATORS) else tcmalloc_path()
     if lib is None:
         return
     env = {**os.environ, "LD_PRELOAD": f"{lib}:{preload}" if preload else lib, _REEXEC_ENV: "1"}

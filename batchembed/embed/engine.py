@@ -107,7 +107,7 @@ def cpu_engine_env(in_process: bool = False) -> None:
                     lib or "<libtcmalloc_minimal.so.4> (apt install libtcmalloc-minimal4)")
 
 
-_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 
 
 def allocator_loaded() -> bool:
@@ -117,7 +117,7 @@ def allocator_loaded() -> bool:
             maps = f.read()
     except OSError:
         return True  # cannot tell: say nothing
-    return any(f"lib{a}" in maps for a in _ALLOCATORS)
+    return any(f"lib{a}" in maps for a in ALLOCATORS)
 
 
 def _cpu_allocator() -> None:
@@ -130,7 +130,7 @@ def _cpu_allocator() -> None:
     start after this, through vLLM's own LD_PRELOAD handling, so they load it; this process
     does not. An LD_PRELOAD that already names an allocator is kept."""
     preload = os.environ.get("LD_PRELOAD", "")
-    if any(a in preload for a in _ALLOCATORS):
+    if any(a in preload for a in ALLOCATORS):
         return
     lib = tcmalloc_path()
     if lib is None:
