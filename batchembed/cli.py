@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 from .errors import BatchembedError, Interrupted, JobError, RunError
-from .logs import setup_logging
+from .logs import exit_now, setup_logging
 
 log = logging.getLogger("batchembed")
 
@@ -350,9 +350,7 @@ def _start_with_tcmalloc() -> None:
 
 
 def main() -> None:
-    """Entry point. Exits with os._exit after flushing: vLLM's engine leaves C++ threads
-    that can abort the interpreter's teardown ("terminate called without an active
-    exception"), which would turn a finished run into a failed exit code."""
+    """Entry point. Exits without the interpreter's teardown (logs.exit_now)."""
     _start_with_tcmalloc()
     try:
         # Without standalone mode, click returns the code of ctx.exit(code) instead of raising.
@@ -366,10 +364,7 @@ def main() -> None:
     except click.Abort:
         click.echo("Aborted!", err=True)
         code = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
+from typing import NoReturn
 
 
 class JsonFormatter(logging.Formatter):
@@ -62,3 +64,14 @@ def setup_logging(level: str | int, as_json: bool = False, engine: int | None = 
 def json_logging() -> bool:
     """Whether this process logs JSON (an engine process then does too)."""
     return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process at once with `code`, once the logs and standard streams are flushed, without
+    the interpreter's teardown: vLLM's engines leave C++ threads that can abort it ("terminate
+    called without an active exception"), which would turn a finished run into a failed one."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

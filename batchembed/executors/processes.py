@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from .. import interrupts
 from ..errors import RunError
-from ..logs import json_logging, setup_logging
+from ..logs import exit_now, json_logging, setup_logging
 from ..stats import RunResult, WorkerReport, combine
 
 if TYPE_CHECKING:
@@ -135,11 +134,7 @@ def _exit_now(results_q) -> None:
     runs printed "terminate called without an active exception" or aborted after the summary."""
     results_q.close()
     results_q.join_thread()  # the report is in the pipe
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 class _FileLock:
