@@ -110,8 +110,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     finishing every readable task and writing a manifest that lists the failures).
     """
     started = time.perf_counter()
-    shard = spec.shard_of
-    if overwrite and shard:
+    if overwrite and spec.shard_of:
         raise JobError("--overwrite with a shard would let each shard erase the others' parts; "
                        "run --overwrite once unsharded, or write to a new output.uri")
     from .executors.processes import forkserver_ahead

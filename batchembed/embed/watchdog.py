@@ -17,6 +17,8 @@ import signal
 import threading
 import time
 
+from ..logs import exit_now
+
 log = logging.getLogger(__name__)
 
 MIN_STALL_S = 60.0  # the derived stall timeout is never shorter
@@ -131,8 +133,6 @@ def _end_this_process(reason: str) -> None:
     nothing here can wake or replace it. End the process with exit 1: committed parts stand and
     a rerun resumes; with data_parallel, the supervisor starts another engine process and hands
     this one's unfinished parts out again."""
-    from ..logs import exit_now
-
     log.error("engine failed: %s. It runs in this process (engine.in_process), which cannot replace it: "
               "ending the process (exit 1); committed parts are kept and a rerun resumes. With "
               "engine.in_process: false an engine runs in processes of its own and is replaced in place",
