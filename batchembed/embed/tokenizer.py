@@ -4,16 +4,99 @@ Truncation keeps the special tokens, as sentence-transformers does: a text longe
 than `max_length` becomes `[CLS] first max_length-2 tokens [SEP]` (or the model's
 equivalent), so no row can exceed the engine's limit and make vLLM reject the
 whole call. The engine gets token ids and never tokenises again.
+
+A text far longer than the limit is tokenised only up to a cut (`cut_safe`): most of a long
+text's tokenising is work thrown away by the truncation, and on a GPU host tokenising is the
+largest CPU cost of a run. The ids are the same as the whole text's, by construction and
+checked on a few rows of every batch.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import JobError
+
+log = logging.getLogger(__name__)
+
+# Normalizers that map each character on its own (or add at the very start), so the text before
+# a space is normalised alike whatever follows the space.
+_LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents", "Strip",
+                      "Prepend"}
+# Pre-tokenizers that never join a non-space character to a space after it: each piece of the
+# text before such a space is a piece of the text cut there. (ByteLevel only with its GPT-2
+# regex, Metaspace only when it splits, Split only by a pattern that passes `_splits_at_spaces`.)
+_SPLITTING_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Metaspace", "ByteLevel",
+                             "Split"}
+_REFINING_PRE_TOKENIZERS = {"Punctuation", "Digits", "UnicodeScripts", "CharDelimiterSplit"}
+# a cut goes just before a space that follows a non-space character
+_CUT = re.compile(r"\S ")
+# texts with which a Split pattern is tried (the Qwen2 / Llama 3 patterns keep newlines after
+# punctuation with it, which is why cuts are only ever before a plain space)
+_SPLIT_PROBE = ("Hello,  world! It's 12345 o'clock.\n\n  Next\tline \u00e9t\u00e9 \u4e2d\u6587 "
+                "\u0627\u0644\u0639\u0631\u0628\u064a\u0629 x.\n y ;; \U0001f600 z  ")
+
+
+def _splits_at_spaces(pre_tokenizer: dict) -> bool:
+    """Whether a pre-tokenizer, given as its JSON, ends a piece before every space that follows a
+    non-space character in a probe text (a Split's regex cannot be read for it)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import WordLevel
+
+    try:
+        spec = json.loads(RustTokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")).to_str())
+        spec["pre_tokenizer"] = pre_tokenizer
+        pieces = RustTokenizer.from_str(json.dumps(spec)).pre_tokenizer.pre_tokenize_str(_SPLIT_PROBE)
+    except Exception:  # noqa: BLE001 - a shape this cannot build is simply not cut
+        return False
+    return not any(_CUT.search(text) for text, _ in pieces)
+
+
+def cut_safe(tokenizer_json: str) -> str | None:
+    """None when a text cut just before a space (after a non-space) tokenises, up to the cut, as
+    the whole text does; else why not. The proof is by parts: the normaliser maps characters one
+    at a time, the pre-tokenizer ends a piece before every such space, and the model (WordPiece,
+    BPE, Unigram) tokenises each piece on its own."""
+    spec = json.loads(tokenizer_json)
+
+    def parts(node, key):
+        if not node:
+            return []
+        if node.get("type") == "Sequence":
+            return [x for child in node.get(key, []) for x in parts(child, key)]
+        return [node]
+
+    for n in parts(spec.get("normalizer"), "normalizers"):
+        kind = n.get("type")
+        single = n.get("pattern", {}).get("String") if kind == "Replace" else None
+        if kind not in _LOCAL_NORMALIZERS and not (isinstance(single, str) and len(single) == 1):
+            return f"normalizer {kind} may change text across a space"
+    splitting = False
+    for n in parts(spec.get("pre_tokenizer"), "pretokenizers"):
+        kind = n.get("type")
+        if kind in _REFINING_PRE_TOKENIZERS:
+            continue
+        if kind not in _SPLITTING_PRE_TOKENIZERS:
+            return f"pre-tokenizer {kind} may join text across a space"
+        if kind == "ByteLevel" and not n.get("use_regex", True):
+            continue  # bytes to characters only; a Split before it does the splitting
+        if kind == "Metaspace" and not n.get("split", True):
+            return "pre-tokenizer Metaspace without split keeps the text in one piece"
+        if kind == "Split" and not _splits_at_spaces(n):
+            return "pre-tokenizer Split by a pattern that keeps a space after a word in one piece"
+        splitting = True
+    if not splitting:
+        return "no pre-tokenizer splits the text at spaces"
+    model = spec.get("model", {}).get("type")
+    if model not in ("WordPiece", "BPE", "Unigram", "WordLevel"):
+        return f"model {model}"
+    return None
 
 
 @dataclass
@@ -57,6 +140,43 @@ class Tokenizer:
         self.chunking = long_text == "chunk"
         if self.chunking:
             self._setup_chunks(tok, overlap)
+        # tokens of text a sequence holds besides its special tokens; texts are cut at about
+        # `_chars_per_token` characters for each, then the cut moves further if too many fell short
+        self._text_tokens = max_length - len(tok.encode("", add_special_tokens=True).ids)
+        why = None if not self.chunking else "long_text: chunk needs every token"
+        why = why or cut_safe(tok.to_str())
+        self.cutting = why is None and self._text_tokens > 0
+        self._chars_per_token = 5.0
+        log.debug("tokenising long texts only up to a cut: %s", "yes" if self.cutting else f"no ({why})")
+
+    def _encode(self, texts: list[str]) -> list:
+        """Encodings of `texts`, each the same as the whole text's, tokenising long ones only up to
+        a cut with room for more text tokens than fit."""
+        encode = self._tok.encode_batch_fast
+        if not self.cutting:
+            return encode(texts, add_special_tokens=True)
+        at = int(self._text_tokens * self._chars_per_token) + len(self.prefix)
+        cut, cuts = list(texts), []
+        for i, t in enumerate(texts):
+            if len(t) > at and (m := _CUT.search(t, at)) is not None:
+                cut[i] = t[:m.start() + 1]
+                cuts.append(i)
+        encodings = encode(cut, add_special_tokens=True)
+        # a cut text that did not fill the sequence and overflow says nothing of the whole text
+        short = [i for i in cuts if not encodings[i].overflowing]
+        if short:
+            for i, e in zip(short, encode([texts[i] for i in short], add_special_tokens=True)):
+                encodings[i] = e
+            if len(short) > 0.02 * len(cuts):
+                self._chars_per_token *= 1.1
+        checked = [i for i in cuts[:2] if i not in short]
+        if checked and any(encodings[i].ids != e.ids
+                           for i, e in zip(checked, encode([texts[i] for i in checked], add_special_tokens=True))):
+            log.warning("tokenising a text cut short gave other ids than the whole text: this model's "
+                        "texts are tokenised whole from now on")
+            self.cutting = False
+            return encode(texts, add_special_tokens=True)
+        return encodings
 
     def _setup_chunks(self, tok, overlap: int) -> None:
         from tokenizers import Tokenizer as RustTokenizer
@@ -88,7 +208,7 @@ class Tokenizer:
     def __call__(self, texts: list[str | None]) -> Tokenized:
         valid = np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts))
         present = [self.prefix + t if self.prefix else t for t in texts if t is not None]
-        encodings = self._tok.encode_batch_fast(present, add_special_tokens=True) if present else []
+        encodings = self._encode(present) if present else []
         ids = [e.ids for e in encodings]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(ids))
