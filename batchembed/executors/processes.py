@@ -95,11 +95,26 @@ def _isolate(replica: int, workdir: str) -> None:
     os.environ["VLLM_PORT"] = str(base + 100 * replica)
 
 
+def _share_cores(replicas: int) -> None:
+    """Each engine process's tokenizer gets its share of the cores, not a thread for every core.
+
+    Hugging Face tokenizers encode a batch on a Rayon pool of one thread per core. Eight engine
+    processes on a 16-core GPU host ran 128 such threads beside their engines: the reading
+    threads took 1.3 cores per engine process while the run was CPU-bound (scripts/gpu_profile.sh,
+    notes/performance.md). A RAYON_NUM_THREADS set by the user is kept."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, cores // replicas)))
+
+
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
             start_lock: str, stop, spawned_at: float) -> None:
     _die_with_parent()
     interrupts.ignore()
     _isolate(replica, os.path.dirname(start_lock))
+    _share_cores(replicas)
     setup_logging(log_level, as_json, engine=replica)
     try:
         from ..config import JobSpec
