@@ -183,7 +183,7 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
     import yaml
 
     from . import interrupts
-    from .tune import as_dicts, best, render
+    from .tune import as_dicts, best, render, tuned_rows_per_part
     from .tune import tune as run_tune
 
     try:
@@ -200,13 +200,18 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
     if write_to:
         with open(job_file) as f:
             raw = yaml.safe_load(f) or {}
-        raw.setdefault("engine", {})["data_parallel"] = best(trials).engines
+        chosen = best(trials).engines
+        raw.setdefault("engine", {})["data_parallel"] = chosen
+        parts = tuned_rows_per_part(spec, chosen)
+        if parts is not None:
+            raw.setdefault("output", {})["rows_per_part"] = parts
         header = "".join(f"# {line}\n" for line in [f"written by batchembed tune on {date.today()} from {job_file}:",
                                                       *render(trials, accelerator).splitlines()])
         with open(write_to, "w") as f:
             f.write(header + yaml.safe_dump(raw, sort_keys=False))
         _load(write_to, overrides)  # what was written is a valid job
-        click.echo(f"batchembed: wrote {write_to} (engine.data_parallel: {best(trials).engines})", err=True)
+        click.echo(f"batchembed: wrote {write_to} (engine.data_parallel: {chosen}"
+                   + (f", output.rows_per_part: {parts}" if parts is not None else "") + ")", err=True)
 
 
 @cli.command()

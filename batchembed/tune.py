@@ -150,6 +150,17 @@ def best(trials: list[Trial]) -> Trial:
     return min((t for t in trials if t.running_tokens_per_s >= 0.97 * top), key=lambda t: t.engines)
 
 
+def tuned_rows_per_part(spec: JobSpec, engines: int) -> int | None:
+    """output.rows_per_part for about 10 parts per engine, so the engines finish within a part's
+    work of each other; None when the job sets it or already has that many parts."""
+    if "rows_per_part" in spec.output.model_fields_set or engines < 2:
+        return None
+    rows = sum(t.num_rows for t in prepare(spec, check_output=False, warn=False).tasks)
+    shards = spec.shard_of[1] if spec.shard_of else 1  # each shard's engines get 1/shards of the parts
+    parts = max(1, rows // (10 * engines * shards))
+    return parts if parts < spec.output.rows_per_part else None
+
+
 def render(trials: list[Trial], accelerator: str) -> str:
     lines = [f"tune on {accelerator}, {trials[0].rows:,} rows of the job's input ({trials[0].tokens:,} tokens):",
              f"{'engines':>7} {'tok/s running':>14} {'tok/s whole':>12} {'start s':>8} {'idle':>6} "

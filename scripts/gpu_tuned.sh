@@ -7,8 +7,8 @@
 #   bash scripts/gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS
 #   e.g. bash scripts/gpu_tuned.sh out/t bge-base 80 500 2000000 4,6,8 200000
 # The corpus is scripts/make_demo_corpus.py's (docstrings joined to MIN_CHARS, 8 files).
-# output.rows_per_part is what the run's own warning asks for (about 10 parts per engine), once the
-# engine count is known. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result.json}
+# tune writes engine.data_parallel and output.rows_per_part (about 10 parts per engine); the run uses
+# the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result.json}
 # and OUT_DIR.tgz.
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
@@ -28,16 +28,15 @@ python3 -m batchembed.cli tune "$OUT/job.yaml" --engines "$ENGINES" --rows "$SAM
   > "$OUT/tune.txt" 2> "$OUT/tune.log"
 echo "tune: exit $?, $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"; cat "$OUT/tune.txt"
 [ -f "$OUT/tuned.yaml" ] || { tail -20 "$OUT/tune.log"; exit 1; }
-k=$(python3 -c "import yaml, sys; print(yaml.safe_load(open(sys.argv[1]))['engine']['data_parallel'])" "$OUT/tuned.yaml")
-parts=$((ROWS / (10 * k)))
+read -r k parts < <(python3 -c "import yaml, sys; j = yaml.safe_load(open(sys.argv[1]))
+print(j['engine']['data_parallel'], j.get('output', {}).get('rows_per_part', 'default'))" "$OUT/tuned.yaml")
 t0=$(date +%s.%N)
-python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress --set output.rows_per_part="$parts" \
-  > "$OUT/run.json" 2> "$OUT/run.log"
+python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress > "$OUT/run.json" 2> "$OUT/run.log"
 rc=$?
 wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 python3 - "$OUT" "$wall" "$rc" "$k" "$parts" <<'PY'
 import json, pathlib, sys
-out, wall, rc, k, parts = pathlib.Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+out, wall, rc, k, parts = pathlib.Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 s = json.loads(out.joinpath("run.json").read_text().strip().splitlines()[-1]) if rc == 0 else {}
 r = {"exit": rc, "engines": k, "rows_per_part": parts, "wall_s": wall,
      "tok_s_whole_process": round(s["tokens"] / wall) if s else None,

@@ -11,7 +11,7 @@ from helpers import job_dict, write_parquet
 
 from batchembed.cli import cli
 from batchembed.config import load_job
-from batchembed.tune import flops_per_token
+from batchembed.tune import flops_per_token, tuned_rows_per_part
 
 
 def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp_path):
@@ -29,6 +29,8 @@ def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp
     assert all(t["rows"] == 300 and t["tokens"] > 0 and t["running_tokens_per_s"] > 0 for t in result["trials"])
     tuned = load_job(tmp_path / "tuned.yaml")
     assert tuned.engine.data_parallel in (1, 2) and tuned.output.uri == str(tmp_path / "out")
+    # about 10 parts per engine, so engines finish together (one engine: the job's own parts)
+    assert tuned.output.rows_per_part == (500 // 20 if tuned.engine.data_parallel == 2 else 1_000_000)
     assert (tmp_path / "job.yaml").read_text() == before  # the job file is never changed
     assert not (tmp_path / "out").exists()  # the trials wrote elsewhere
 
@@ -42,3 +44,20 @@ def test_flops_per_token_of_a_bert_and_a_decoder_shape():
     per_layer = 1024 * 16 * 128 + 2 * 1024 * 8 * 128 + 16 * 128 * 1024 + 3 * 1024 * 3072
     assert flops_per_token(qwen, 512) == 2 * 28 * per_layer + 4 * 28 * 16 * 128 * 512
     assert flops_per_token({}, 80) is None
+
+
+def test_tuned_rows_per_part_gives_each_engine_about_ten_parts_unless_the_job_says(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(500)), "text": ["words"] * 500},
+                  row_group_size=100)
+    job = job_dict(tmp_path / "in", tmp_path / "out")
+    assert tuned_rows_per_part(load_job_dict(job), 4) == 12
+    assert tuned_rows_per_part(load_job_dict({**job, "shard": "0/2"}), 4) == 6  # a shard's engines get half
+    assert tuned_rows_per_part(load_job_dict(job), 1) is None
+    job["output"]["rows_per_part"] = 50
+    assert tuned_rows_per_part(load_job_dict(job), 4) is None  # the user's choice stands
+
+
+def load_job_dict(job: dict):
+    from batchembed.config import JobSpec
+
+    return JobSpec.model_validate(job)
