@@ -8,7 +8,8 @@
 #   e.g. bash scripts/gpu_tuned.sh out/t bge-base 80 500 2000000 4,6,8 200000
 # The corpus is scripts/make_demo_corpus.py's (docstrings joined to MIN_CHARS, 8 files).
 # tune writes engine.data_parallel and output.rows_per_part (about 10 parts per engine); the run uses
-# the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result.json}
+# the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result.json,
+# manifest.json (its throughput: tok/s in 60 slices of the run)}
 # and OUT_DIR.tgz.
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
@@ -45,6 +46,7 @@ r = {"exit": rc, "engines": k, "rows_per_part": parts, "wall_s": wall,
 out.joinpath("result.json").write_text(json.dumps(r, indent=1))
 print(json.dumps(r))
 PY
+cp "$W/out/_manifest.json" "$OUT/manifest.json" 2>/dev/null  # its throughput: tok/s in 60 slices of the run
 grep -h "first engine to run out\|up: import\|imported once" "$OUT/run.log" | sed 's/.*INFO //' | head -3
 rm -rf "$W"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
