@@ -172,6 +172,9 @@ class EmbedStage:
                 cache.popitem(last=False)
         w.pending = w.plan = w.todo = None
         w.borrowed = []
+        # the writer needs the rows' token counts, not their ids: up to five windows wait for it,
+        # each with a list of Python ints per row (~36 bytes a token)
+        w.tok.ids, w.tok.chunks = [], None
 
     def run(self, q_in: queue.Queue, q_out: queue.Queue, stop) -> None:
         """Items go out in the order they came in; up to `windows_in_flight` windows wait on the
