@@ -36,6 +36,18 @@ class Task:
                 if self.row_groups else [0, 0]}
 
 
+# Parts each engine should get: engines pull parts as they finish, so the first one out of work
+# waits for the others up to a part's work, about half a part on average: 1/60 of the run.
+PARTS_PER_ENGINE = 30
+
+
+def rows_per_part_for(rows: int, engines: int, window_rows: int) -> int:
+    """output.rows_per_part that gives `engines` engines about PARTS_PER_ENGINE parts each of
+    `rows`, but at least one window (engine.sort_window_rows): a smaller part is a smaller
+    window, and smaller engine steps."""
+    return max(window_rows, rows // (PARTS_PER_ENGINE * max(1, engines)))
+
+
 def shard_tasks(tasks: list[Task], shard: tuple[int, int] | None) -> list[Task]:
     """Shard `index` of `count`: deterministic, disjoint, and as even as the tasks allow (shard
     sizes differ by at most one task). Tasks are dealt round the shards in the order of a hash

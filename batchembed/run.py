@@ -18,7 +18,7 @@ from .executors.base import engine_key, release, start_engine
 from .job import Prepared, index_column, prepare
 from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
-from .plan import Task, shard_tasks
+from .plan import Task, rows_per_part_for, shard_tasks
 from .reuse import TEXT_HASH, copy_parts
 from .stats import RunResult, Stats
 
@@ -46,12 +46,16 @@ def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
     engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
     # The engines that finish first wait for the last part in progress: up to a part's work. Six
     # bge-base engines on an H200 with 3.3 parts each waited 11 s of a 154 s job at the end.
-    if engines > 1 and len(pending) < 6 * engines:
-        rows = sum(t.num_rows for t in pending)
+    if engines < 2 or len(pending) >= 6 * engines:
+        return
+    rows = sum(t.num_rows for t in pending)
+    suggested = rows_per_part_for(rows, engines, p.spec.engine.sort_window_rows)
+    if suggested < max(t.num_rows for t in pending):  # parts of less than a window are not worth it
         log.warning("%d parts for %d engines: at the end, engines that are done wait for the last parts, up "
-                    "to a part's work each. output.rows_per_part: %d would give about 10 parts per engine (a "
-                    "part is cut at row-group boundaries, so files need row groups of at most that many rows)",
-                    len(pending), engines, max(1, rows // (10 * engines)))
+                    "to a part's work each. output.rows_per_part: %d would give about %d parts per engine (a "
+                    "part is cut at row-group boundaries, so files need row groups of at most that many rows; "
+                    "`batchembed tune --write` sets it)", len(pending), engines, suggested,
+                    max(1, rows // (suggested * engines)))
 
 
 def _execute(p: Prepared, pending: list[Task], progress, engine) -> RunResult:

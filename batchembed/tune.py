@@ -27,6 +27,7 @@ from .config import JobSpec
 from .errors import JobError
 from .job import prepare
 from .model import ModelInfo
+from .plan import rows_per_part_for
 from .run import run_job
 
 log = logging.getLogger(__name__)
@@ -151,14 +152,15 @@ def best(trials: list[Trial]) -> Trial:
 
 
 def tuned_rows_per_part(spec: JobSpec, engines: int) -> int | None:
-    """output.rows_per_part for about 10 parts per engine, so the engines finish within a part's
-    work of each other; None when the job sets it or already has that many parts."""
+    """output.rows_per_part for about 30 parts per engine (plan.rows_per_part_for), so the engines
+    finish within a part's work of each other; None when the job sets it, or when its parts are
+    no larger already."""
     if "rows_per_part" in spec.output.model_fields_set or engines < 2:
         return None
-    rows = sum(t.num_rows for t in prepare(spec, check_output=False, warn=False).tasks)
+    tasks = prepare(spec, check_output=False, warn=False).tasks
     shards = spec.shard_of[1] if spec.shard_of else 1  # each shard's engines get 1/shards of the parts
-    parts = max(1, rows // (10 * engines * shards))
-    return parts if parts < spec.output.rows_per_part else None
+    parts = rows_per_part_for(sum(t.num_rows for t in tasks) // shards, engines, spec.engine.sort_window_rows)
+    return parts if tasks and parts < max(t.num_rows for t in tasks) else None
 
 
 def render(trials: list[Trial], accelerator: str) -> str:

@@ -59,7 +59,9 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
         write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 30, k * 30 + 30)),
                                                           "text": texts[k * 30:(k + 1) * 30]})
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine={"data_parallel": 2},
+    # windows of 10 rows, so parts of 30 are worth splitting: the few-parts warning is due
+    engine = {"data_parallel": 2, "sort_window_rows": 10}
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine=engine,
                                            embedding={"dimensions": [384, 64]})))
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         rc = subprocess.run([BIN, "--log-json", "run", str(job)], stdout=out, stderr=err, timeout=400).returncode

@@ -18,7 +18,7 @@ def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp
     write_parquet(tmp_path / "in" / "a.parquet",
                   {"id": list(range(500)), "text": [f"row {i}: " + "tuning words " * (i % 9 + 2) for i in range(500)]},
                   row_group_size=100)
-    job = job_dict(tmp_path / "in", tmp_path / "out", fidelity_check="off")
+    job = job_dict(tmp_path / "in", tmp_path / "out", fidelity_check="off", engine={"sort_window_rows": 25})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     before = (tmp_path / "job.yaml").read_text()
     r = CliRunner().invoke(cli, ["tune", str(tmp_path / "job.yaml"), "--engines", "1,2", "--rows", "300",
@@ -29,8 +29,9 @@ def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp
     assert all(t["rows"] == 300 and t["tokens"] > 0 and t["running_tokens_per_s"] > 0 for t in result["trials"])
     tuned = load_job(tmp_path / "tuned.yaml")
     assert tuned.engine.data_parallel in (1, 2) and tuned.output.uri == str(tmp_path / "out")
-    # about 10 parts per engine, so engines finish together (one engine: the job's own parts)
-    assert tuned.output.rows_per_part == (500 // 20 if tuned.engine.data_parallel == 2 else 1_000_000)
+    # about 30 parts per engine, no smaller than a window, so engines finish together (one engine:
+    # the job's own parts)
+    assert tuned.output.rows_per_part == (25 if tuned.engine.data_parallel == 2 else 1_000_000)
     assert (tmp_path / "job.yaml").read_text() == before  # the job file is never changed
     assert not (tmp_path / "out").exists()  # the trials wrote elsewhere
 
@@ -46,13 +47,18 @@ def test_flops_per_token_of_a_bert_and_a_decoder_shape():
     assert flops_per_token({}, 80) is None
 
 
-def test_tuned_rows_per_part_gives_each_engine_about_ten_parts_unless_the_job_says(tmp_path):
-    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(500)), "text": ["words"] * 500},
+def test_tuned_rows_per_part_gives_each_engine_about_30_parts_of_a_window_or_more(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(5000)), "text": ["words"] * 5000},
                   row_group_size=100)
-    job = job_dict(tmp_path / "in", tmp_path / "out")
-    assert tuned_rows_per_part(load_job_dict(job), 4) == 12
-    assert tuned_rows_per_part(load_job_dict({**job, "shard": "0/2"}), 4) == 6  # a shard's engines get half
+    job = job_dict(tmp_path / "in", tmp_path / "out", engine={"sort_window_rows": 10})
+    assert tuned_rows_per_part(load_job_dict(job), 4) == 5000 // 120
+    assert tuned_rows_per_part(load_job_dict({**job, "shard": "0/2"}), 4) == 2500 // 120  # a shard's engines
+    job["engine"]["sort_window_rows"] = 100
+    assert tuned_rows_per_part(load_job_dict(job), 4) == 100  # never less than a window
+    job["engine"]["sort_window_rows"] = 8192
+    assert tuned_rows_per_part(load_job_dict(job), 4) is None  # the file is one window already
     assert tuned_rows_per_part(load_job_dict(job), 1) is None
+    job["engine"]["sort_window_rows"] = 10
     job["output"]["rows_per_part"] = 50
     assert tuned_rows_per_part(load_job_dict(job), 4) is None  # the user's choice stands
 
