@@ -46,7 +46,7 @@ def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
     engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
     # The engines that finish first wait for the last part in progress: up to a part's work. Six
     # bge-base engines on an H200 with 3.3 parts each waited 11 s of a 154 s job at the end.
-    if engines < 2 or len(pending) >= 6 * engines:
+    if engines < 2 or not pending or len(pending) >= 6 * engines:
         return
     rows = sum(t.num_rows for t in pending)
     suggested = rows_per_part_for(rows, engines, p.spec.engine.sort_window_rows)

@@ -121,6 +121,10 @@ def test_tokenizers_that_may_join_text_across_a_space_are_never_cut(tmp_path):
     assert "Split" in cut_safe(tok.to_str())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(split=False)
     assert "Metaspace" in cut_safe(tok.to_str())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert cut_safe(tok.to_str()) is None
+    tok.add_tokens(["new york"])  # matched whole in the raw text, before any splitting
+    assert "added token" in cut_safe(tok.to_str())
 
 
 def test_a_cut_that_changes_the_ids_is_caught_and_texts_are_tokenised_whole_from_then_on(tmp_path, caplog):

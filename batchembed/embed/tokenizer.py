@@ -64,6 +64,9 @@ def cut_safe(tokenizer_json: str) -> str | None:
     at a time, the pre-tokenizer ends a piece before every such space, and the model (WordPiece,
     BPE, Unigram) tokenises each piece on its own."""
     spec = json.loads(tokenizer_json)
+    spaced = [t.get("content", "") for t in spec.get("added_tokens") or [] if re.search(r"\s", t.get("content", ""))]
+    if spaced:  # matched in the raw text before anything else: a cut could split one
+        return f"added token {spaced[0]!r} holds a space"
 
     def parts(node, key):
         if not node:
