@@ -97,12 +97,12 @@ def _family(kind: str, texts: list[str], tmp_path) -> Path:
 def test_long_texts_tokenised_up_to_a_cut_give_the_whole_texts_ids(kind, model_info, tmp_path):
     texts = _hostile_texts()
     path = model_info.path if kind == "bert" else _family(kind, texts, tmp_path)
-    for max_length in (8, 33, 128):
-        cut, whole = Tokenizer(path, max_length), Tokenizer(path, max_length)
+    for max_length, prefix in ((8, ""), (33, ""), (128, ""), (33, "query: ")):
+        cut, whole = Tokenizer(path, max_length, prefix), Tokenizer(path, max_length, prefix)
         whole.cutting = False
         assert cut.cutting, kind
         a, b = cut(texts + [None]), whole(texts + [None])
-        assert a.ids == b.ids, (kind, max_length)
+        assert a.ids == b.ids, (kind, max_length, prefix)
         assert a.truncated.tolist() == b.truncated.tolist() and a.lengths.tolist() == b.lengths.tolist()
         assert cut.cutting, "the check on a few whole texts disagreed"
 
