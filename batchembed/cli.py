@@ -194,7 +194,7 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
         raise JobError("--engines and --rows must be positive")
     interrupts.install()
     spec = _load(job_file, overrides)
-    trials, accelerator = run_tune(spec, counts, rows)
+    trials, accelerator, plan = run_tune(spec, counts, rows)
     click.echo(json.dumps({"accelerator": accelerator, "trials": as_dicts(trials)}, indent=2) if as_json
                else render(trials, accelerator))
     if write_to:
@@ -202,7 +202,7 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
             raw = yaml.safe_load(f) or {}
         chosen = best(trials).engines
         raw.setdefault("engine", {})["data_parallel"] = chosen
-        parts = tuned_rows_per_part(spec, chosen)
+        parts = tuned_rows_per_part(spec, chosen, plan)
         if parts is not None:
             raw.setdefault("output", {})["rows_per_part"] = parts
         header = "".join(f"# {line}\n" for line in [f"written by batchembed tune on {date.today()} from {job_file}:",

@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 
 from .config import JobSpec
 from .errors import JobError
-from .job import prepare
+from .job import Prepared, prepare
 from .model import ModelInfo
-from .plan import rows_per_part_for
+from .plan import Task, rows_per_part_for
 from .run import run_job
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,10 @@ def accelerator_peak() -> tuple[str, float | None]:
     return "cpu", None
 
 
-def sample_corpus(spec: JobSpec, rows: int, folder: Path, parts: int) -> int:
+def sample_corpus(p: Prepared, rows: int, folder: Path, parts: int) -> int:
     """The first `rows` rows of the job's input (the columns it reads), as one local Parquet file
     in row groups of rows/parts, so every engine of a trial gets parts. Returns the rows taken."""
-    p = prepare(spec, check_output=False, warn=False)
+    spec = p.spec
     batches, taken = [], 0
     for task in p.tasks:
         for batch in p.iter_batches(task, 4096):
@@ -102,14 +102,17 @@ def sample_corpus(spec: JobSpec, rows: int, folder: Path, parts: int) -> int:
     return taken
 
 
-def tune(spec: JobSpec, engines: list[int], rows: int, workdir: str | None = None) -> tuple[list[Trial], str]:
-    """Run the sample with each engine count. Returns the trials and the accelerator's name."""
+def tune(spec: JobSpec, engines: list[int], rows: int,
+         workdir: str | None = None) -> tuple[list[Trial], str, list[Task]]:
+    """Run the sample with each engine count. Returns the trials, the accelerator's name and the
+    job's whole plan (for tuned_rows_per_part)."""
     if spec.executor != "local":
         raise JobError("tune: measures engine.data_parallel on this machine; set executor: local")
     work = Path(workdir or tempfile.mkdtemp(prefix="batchembed-tune-"))
     try:
-        taken = sample_corpus(spec, rows, work / "sample", parts=4 * max(engines))
-        model = prepare(spec, check_output=False, warn=False).model
+        p = prepare(spec, check_output=False, warn=False)
+        taken = sample_corpus(p, rows, work / "sample", parts=4 * max(engines))
+        model = p.model
         name, peak = accelerator_peak()
         trials = []
         for k in engines:
@@ -132,7 +135,7 @@ def tune(spec: JobSpec, engines: list[int], rows: int, workdir: str | None = Non
                                 s["engine_start_seconds"], s.get("engine_idle_share"),
                                 round(running * fpt / peak, 4) if fpt and peak else None))
             shutil.rmtree(work / f"out-{k}", ignore_errors=True)
-        return trials, name
+        return trials, name, p.tasks
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -151,13 +154,12 @@ def best(trials: list[Trial]) -> Trial:
     return min((t for t in trials if t.running_tokens_per_s >= 0.97 * top), key=lambda t: t.engines)
 
 
-def tuned_rows_per_part(spec: JobSpec, engines: int) -> int | None:
-    """output.rows_per_part for about 30 parts per engine (plan.rows_per_part_for), so the engines
-    finish within a part's work of each other; None when the job sets it, or when its parts are
-    no larger already."""
+def tuned_rows_per_part(spec: JobSpec, engines: int, tasks: list[Task]) -> int | None:
+    """output.rows_per_part for about 30 parts per engine (plan.rows_per_part_for) of the job's
+    plan `tasks`, so the engines finish within a part's work of each other; None when the job sets
+    it, or when its parts are no larger already."""
     if "rows_per_part" in spec.output.model_fields_set or engines < 2:
         return None
-    tasks = prepare(spec, check_output=False, warn=False).tasks
     shards = spec.shard_of[1] if spec.shard_of else 1  # each shard's engines get 1/shards of the parts
     parts = rows_per_part_for(sum(t.num_rows for t in tasks) // shards, engines, spec.engine.sort_window_rows)
     return parts if tasks and parts < max(t.num_rows for t in tasks) else None

@@ -51,19 +51,21 @@ def test_tuned_rows_per_part_gives_each_engine_about_30_parts_of_a_window_or_mor
     write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(5000)), "text": ["words"] * 5000},
                   row_group_size=100)
     job = job_dict(tmp_path / "in", tmp_path / "out", engine={"sort_window_rows": 10})
-    assert tuned_rows_per_part(load_job_dict(job), 4) == 5000 // 120
-    assert tuned_rows_per_part(load_job_dict({**job, "shard": "0/2"}), 4) == 2500 // 120  # a shard's engines
+    assert _tuned(job, 4) == 5000 // 120
+    assert _tuned({**job, "shard": "0/2"}, 4) == 2500 // 120  # a shard's engines
     job["engine"]["sort_window_rows"] = 100
-    assert tuned_rows_per_part(load_job_dict(job), 4) == 100  # never less than a window
+    assert _tuned(job, 4) == 100  # never less than a window
     job["engine"]["sort_window_rows"] = 8192
-    assert tuned_rows_per_part(load_job_dict(job), 4) is None  # the file is one window already
-    assert tuned_rows_per_part(load_job_dict(job), 1) is None
+    assert _tuned(job, 4) is None  # the file is one window already
+    assert _tuned(job, 1) is None
     job["engine"]["sort_window_rows"] = 10
     job["output"]["rows_per_part"] = 50
-    assert tuned_rows_per_part(load_job_dict(job), 4) is None  # the user's choice stands
+    assert _tuned(job, 4) is None  # the user's choice stands
 
 
-def load_job_dict(job: dict):
+def _tuned(job: dict, engines: int):
     from batchembed.config import JobSpec
+    from batchembed.job import prepare
 
-    return JobSpec.model_validate(job)
+    spec = JobSpec.model_validate(job)
+    return tuned_rows_per_part(spec, engines, prepare(spec, check_output=False, warn=False).tasks)
