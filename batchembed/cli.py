@@ -82,9 +82,11 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
       batchembed run job.yaml --set output.uri=s3://b/emb/2026-12-02/ --previous s3://b/emb/2026-12-01/
     """
     from . import interrupts
+    from .executors.base import process_ends_after_run
     from .run import run_job
 
     interrupts.install()
+    process_ends_after_run()  # this process exits once the run returns (main, exit_now)
     extra = [*([f"shard={shard}"] if shard else []), *([f"incremental.previous={previous}"] if previous else [])]
     spec = _load(job_file, [*overrides, *extra])
     stats = run_job(spec, overwrite=overwrite, show_progress=not no_progress and sys.stderr.isatty())

@@ -92,7 +92,7 @@ def _calibrate(p: Prepared, engine):
             release(own)
         raise
     if own is not None and (p.spec.executor == "ray" or p.spec.engine.data_parallel > 1):
-        release(own)
+        release(own, run_over=False)  # its memory is the engine processes' now
         engine = own = None
     return engine, own, seconds
 

@@ -64,3 +64,5 @@ class FakeEngine:
 
     def close(self) -> None:
         self.closed = True
+
+    leave = close

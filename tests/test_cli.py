@@ -12,15 +12,21 @@ BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 
 
 def test_run_exits_0_with_summary_and_json(tmp_path):
+    from helpers import group_alive
+
     write_parquet(tmp_path / "in.parquet", {"id": [1, 2, 3], "text": ["a", "b", None]})
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out")))
     # output to files, not pipes: vLLM's engine child can hold a pipe open after exit
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        rc = subprocess.run([BIN, "run", str(job), "--set", "embedding.dimensions=[64]"],
-                            stdout=out, stderr=err, timeout=300).returncode
+        proc = subprocess.Popen([BIN, "--log-level", "debug", "run", str(job), "--set", "embedding.dimensions=[64]"],
+                                stdout=out, stderr=err, start_new_session=True)
+        rc = proc.wait(timeout=300)
     stderr = (tmp_path / "stderr").read_text()
     assert rc == 0, stderr[-3000:]
+    # the engine (in this process on CPU) is not torn down before the exit, and nothing outlives the run
+    assert "engine left to the process's exit" in stderr
+    assert group_alive(proc.pid) == [], "a process of the run outlived it"
     summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
     assert summary["rows"] == 3 and summary["nulls"] == 1 and summary["tokens"] > 0
     assert "3 rows (2 embedded, 0 duplicates, 1 null" in stderr

@@ -257,6 +257,7 @@ _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 _in_process_engines: set[int] = set()  # the engines of this process that run in it (ids)
+_left_to_exit: list = []  # engines (vLLM's LLM) whose teardown is left to this process's exit (Engine.leave)
 
 
 def default_in_process(spec: EngineSpec, on_cpu: bool) -> bool:
@@ -503,6 +504,21 @@ class Engine:
         was interrupted, or an engine that is dead or hung. What was queued is lost."""
         kill_tree(getattr(self, "processes", []))
         self.close()
+
+    def leave(self) -> None:
+        """Close, in a process that ends right after (the CLI's, an engine process's): an engine in
+        this process is stopped and its teardown left to the exit, which frees its memory at once
+        (vLLM's shutdown and full garbage collections took 1.2 s of a 10.5 s 200-row run on a
+        2-core CPU); one in processes of its own is closed as usual."""
+        llm = getattr(self, "llm", None)
+        if llm is None or not self.in_process:
+            self.close()
+            return
+        self.watchdog.stop()
+        self._slots = {}
+        self.llm = None
+        _left_to_exit.append(llm)  # referenced, so no destructor of vLLM's runs its shutdown before the exit
+        log.debug("engine left to the process's exit, not torn down")
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

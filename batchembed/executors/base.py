@@ -39,11 +39,24 @@ def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None) ->
     return engine
 
 
-def release(engine) -> None:
+_process_ends_after_run = False
+
+
+def process_ends_after_run() -> None:
+    """Say that this process ends once its run returns (the CLI, an engine process): engines in
+    it are then left to the exit rather than torn down (Engine.leave)."""
+    global _process_ends_after_run
+    _process_ends_after_run = True
+
+
+def release(engine, run_over: bool = True) -> None:
     """Close an engine this run started; after SIGINT / SIGTERM, end its processes at once (their
-    step in flight would be cut short by a graceful shutdown, and complain at length)."""
+    step in flight would be cut short by a graceful shutdown, and complain at length). Once the
+    run is over in a process that then ends, leave it to the exit (process_ends_after_run)."""
     if interrupts.requested():
         engine.kill()
+    elif run_over and _process_ends_after_run:
+        engine.leave()
     else:
         engine.close()
 

@@ -119,8 +119,9 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
     try:
         from ..config import JobSpec
         from ..job import prepare
-        from .base import Worker
+        from .base import Worker, process_ends_after_run
 
+        process_ends_after_run()  # _exit_now, below
         p = prepare(JobSpec.model_validate(spec), check_output=False, warn=False)
         serial = contextlib.nullcontext()
         if os.environ.get(SERIAL_START_ENV):
