@@ -7,6 +7,13 @@ before its first vector, a sample of the corpus (the first rows in plan order) i
 engine and by sentence-transformers, and the run refuses to start (exit 1) when a row's
 cosine is below `fidelity_min_cosine`. The result is stored as _fidelity.json in the
 output (a resumed run does not repeat it) and copied into the manifest.
+
+sentence-transformers' side (the reference) runs on CPU. For engines a run starts, it is
+computed in a process of its own, started once per run before the engines (Reference): it
+overlaps vLLM's import and the engines' builds, every engine of the run compares against the
+same vectors, and no engine process keeps a copy of the model. Embedding 16 rows of a Qwen3-0.6B
+shape at 512 tokens took 13.8 s on two CPU cores (scripts/fidelity_cost.py), which each engine
+process paid after its build. An engine handed to the run, already built, is checked in the calling process.
 """
 
 from __future__ import annotations
@@ -14,11 +21,18 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import importlib.util
+import json
 import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import procguard
 from .embed.batcher import embed_isolating
 from .embed.tokenizer import Tokenizer
 from .errors import RunError
@@ -42,14 +56,103 @@ def needed(p: Prepared) -> bool:
     return p.spec.fidelity_check != "off" and recorded(p) is None
 
 
-def ensure(p: Prepared, engine) -> None:
-    """Check a freshly started engine unless this job's check is off or already done."""
+def ensure(p: Prepared, engine, reference: ReferenceFile | None = None) -> None:
+    """Check a freshly started engine unless this job's check is off or already done, against
+    `reference` (the run's, started by start_reference) or one computed now."""
     if needed(p):
-        check(p, engine)
+        check(p, engine, reference)
+
+
+def start_reference(p: Prepared) -> Reference | None:
+    """Start computing the reference now, for the check the engines about to be built will make
+    (None when they make none, or skip it)."""
+    if not needed(p) or _skip_reason(p) is not None:
+        return None
+    texts = p.first_texts(SAMPLE_ROWS)
+    return Reference(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts) if texts else None
+
+
+class ReferenceFile:
+    """Where a Reference leaves its result: a folder on this host, which the engine processes of
+    a run read (picklable; they wait for it)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def poll(self) -> tuple[list[str], np.ndarray] | None:
+        """(texts, their vectors) once computed, else None; RunError if computing them failed."""
+        if os.path.exists(self._path("error.txt")):
+            with open(self._path("error.txt"), encoding="utf-8") as f:
+                raise RunError(f"fidelity check: sentence-transformers could not embed the sample: {f.read()}")
+        if not os.path.exists(self._path("vectors.npy")):
+            return None
+        with open(self._path("texts.json"), encoding="utf-8") as f:
+            texts = json.load(f)
+        return texts, np.load(self._path("vectors.npy"))
+
+    def result(self) -> tuple[list[str], np.ndarray]:
+        while (r := self.poll()) is None:
+            time.sleep(0.05)
+        return r
+
+
+class Reference(ReferenceFile):
+    """sentence-transformers' vectors for the sample, computed in a process of its own (spawned:
+    no state of this process's, and its memory is returned when it ends). Owned by the process
+    that runs the job, which calls watch() while engine processes wait, and close() at the end."""
+
+    def __init__(self, model_path: str, max_length: int, prefix: str, texts: list[str]):
+        super().__init__(tempfile.mkdtemp(prefix="batchembed-fidelity-"))
+        with open(self._path("texts.json"), "w", encoding="utf-8") as f:
+            json.dump(texts, f)
+        self.process = mp.get_context("spawn").Process(
+            target=_embed_reference, args=(model_path, max_length, prefix, texts, self.folder),
+            name="batchembed-fidelity", daemon=True)
+        with procguard.starting():  # Ctrl-C is the run's to handle; dies with this process
+            self.process.start()
+
+    def file(self) -> ReferenceFile:
+        return ReferenceFile(self.folder)
+
+    def watch(self) -> None:
+        """Say so (error.txt) if the process ended without a result (the OOM killer, a crash); its
+        result, if any, is in place before it ends."""
+        if self.process.exitcode is not None and not any(
+                os.path.exists(self._path(name)) for name in ("vectors.npy", "error.txt")):
+            _write(self._path("error.txt"), f"its process ended with exit code {self.process.exitcode}")
+
+    def poll(self):
+        self.watch()
+        return super().poll()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _embed_reference(model_path: str, max_length: int, prefix: str, texts: list[str], folder: str) -> None:
+    """The reference process: embed `texts` into folder/vectors.npy (or the error into error.txt)."""
+    try:
+        path = os.path.join(folder, "vectors.npy")
+        np.save(path + ".tmp.npy", _encode(model_path, max_length, prefix, texts))
+        os.replace(path + ".tmp.npy", path)
+    except BaseException as e:  # noqa: BLE001 - reported to the engines through the folder
+        _write(os.path.join(folder, "error.txt"), f"{type(e).__name__}: {e}")
 
 
 @functools.lru_cache(maxsize=2)
-def _reference(path: str, max_length: int):
+def _st_model(path: str, max_length: int):
     from sentence_transformers import SentenceTransformer
 
     try:  # its per-weight progress bar is noise in a run's log
@@ -61,6 +164,13 @@ def _reference(path: str, max_length: int):
     st = SentenceTransformer(path, device="cpu")
     st.max_seq_length = max_length
     return st
+
+
+def _encode(model_path: str, max_length: int, prefix: str, texts: list[str]) -> np.ndarray:
+    """sentence-transformers' vectors for `texts`, as the check compares them."""
+    vectors = _st_model(model_path, max_length).encode([prefix + t for t in texts], normalize_embeddings=True,
+                                                       convert_to_numpy=True, show_progress_bar=False)
+    return np.asarray(vectors, dtype=np.float32)
 
 
 def _skip_reason(p: Prepared) -> str | None:
@@ -85,26 +195,27 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / np.where(norms > 0, norms, 1.0)
 
 
-def check(p: Prepared, engine) -> dict:
+def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
     """Run the check (or record why it was skipped); raise RunError when the two disagree."""
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine}
     reason = _skip_reason(p)
-    texts = p.first_texts(SAMPLE_ROWS) if reason is None else []
+    texts = [] if reason is not None else reference.result()[0] if reference else p.first_texts(SAMPLE_ROWS)
     if reason is None and not texts:
         reason = "the input has no non-null text"
     if reason is not None:
         log.warning("fidelity check skipped: %s", reason)
         result.update(status="skipped", reason=reason)
     else:
+        # an engine handed to the run is checked here, in this process (sentence-transformers'
+        # model kept for the next run); one the run starts, against the run's reference process
+        theirs = reference.result()[1] if reference else _encode(str(p.model.path), p.max_length,
+                                                                 p.spec.model.text_prefix, texts)
         ours, bad = embed_isolating(engine, Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
         if bad:  # rows the engine fails alone are the run's to report (_errors/), not a disagreement
             ours = np.delete(ours, list(bad), axis=0)
+            theirs = np.delete(theirs, list(bad), axis=0)
             texts = [t for i, t in enumerate(texts) if i not in bad]
-        theirs = _reference(str(p.model.path), p.max_length).encode(
-            [p.spec.model.text_prefix + t for t in texts], normalize_embeddings=True, convert_to_numpy=True,
-            show_progress_bar=False)
-        theirs = np.asarray(theirs, dtype=np.float32)
         if ours.shape != theirs.shape:
             result.update(status="failed", rows=len(texts),
                           reason=f"the engine gives {ours.shape[1]} values per row, sentence-transformers "

@@ -12,10 +12,30 @@ guard()) or by fork (the hook registered below runs in the child).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 
 ENV = "BATCHEMBED_ENGINE_PROCESS"
+
+
+@contextlib.contextmanager
+def starting(extra: dict[str, str] | None = None):
+    """Set, while processes are started in the block, what makes them run guard(), with `extra`
+    environment beside it; restored after. Also for other processes of a run (fidelity.py)."""
+    main = threading.current_thread() is threading.main_thread()
+    env = {**(extra or {}), ENV: "die-with-parent" if main else "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def guard() -> None:

@@ -58,7 +58,7 @@ def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
                     max(1, rows // (suggested * engines)))
 
 
-def _execute(p: Prepared, pending: list[Task], progress, engine) -> RunResult:
+def _execute(p: Prepared, pending: list[Task], progress, engine, reference) -> RunResult:
     """The executor the job asks for: Ray, engine.data_parallel engine processes, or this process."""
     if p.spec.executor == "ray":
         from .executors.ray import run_on_ray
@@ -68,13 +68,13 @@ def _execute(p: Prepared, pending: list[Task], progress, engine) -> RunResult:
     if replicas > 1:
         from .executors.processes import run_in_processes
 
-        return run_in_processes(p, pending, progress, replicas)
+        return run_in_processes(p, pending, progress, replicas, reference)
     from .executors.local import run_local
 
-    return run_local(p, pending, progress, engine)
+    return run_local(p, pending, progress, engine, reference)
 
 
-def _calibrate(p: Prepared, engine):
+def _calibrate(p: Prepared, engine, reference):
     """int8 / uint8: the ranges come before any part, from one engine: the one this run will use
     when it runs one here, else one started (and closed) for them. Returns (the engine this run
     keeps, the one it must close, seconds spent starting)."""
@@ -82,7 +82,7 @@ def _calibrate(p: Prepared, engine):
     own = None
     try:
         if engine is None:
-            engine = own = start_engine(p)
+            engine = own = start_engine(p, reference=reference)
         else:
             fidelity.ensure(p, engine)  # a checked engine calibrates
         seconds = time.perf_counter() - t0
@@ -151,14 +151,18 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     copied: dict[int, dict] = {}
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, out, job)
+    # sentence-transformers' side of the fidelity check, computed while the engines start (Ray's
+    # workers compute their own)
+    reference = fidelity.start_reference(p) if pending and engine is None and spec.executor != "ray" else None
     own = None
-    if pending and spec.embedding.output_dtype in SCALAR and calibration.load(p) is None:
-        engine, own, stats.engine_start_seconds = _calibrate(p, engine)
-    bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
-               dynamic_ncols=True, smoothing=0.1)
+    bar = None
     try:
+        if pending and spec.embedding.output_dtype in SCALAR and calibration.load(p) is None:
+            engine, own, stats.engine_start_seconds = _calibrate(p, engine, reference)
+        bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
+                   dynamic_ncols=True, smoothing=0.1)
         _stop_if_interrupted(p, job)
-        result = _execute(p, pending, _reporter(bar), engine) if pending else RunResult()
+        result = _execute(p, pending, _reporter(bar), engine, reference) if pending else RunResult()
     except BatchembedError:
         _stop_if_interrupted(p, job)  # an engine that died of the same Ctrl-C is the interruption
         raise
@@ -166,9 +170,12 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
         _stop_if_interrupted(p, job)
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if own is not None:
             release(own)
+        if reference is not None:
+            reference.close()
     _stop_if_interrupted(p, job)
     index = {out.part_name(t): t.index for t in p.tasks}
     run_records = {**copied, **{index[name]: r for name, r in result.records.items()}}

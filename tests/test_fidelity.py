@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import make_job, write_parquet
+import yaml
+from helpers import job_dict, make_job, write_parquet
 
 from batchembed.embed.engine import Engine
 from batchembed.errors import RunError
-from batchembed.fidelity import cosines
+from batchembed.fidelity import Reference, cosines
 from batchembed.job import prepare
 from batchembed.run import run_job
 
@@ -35,7 +40,7 @@ def test_agreeing_engine_passes_and_is_recorded(tmp_path, engine):
     assert f["status"] == "passed" and f["rows"] == 16 and f["min_cosine"] > 0.999
 
 
-def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
+def _model_with_a_default_prompt(tmp_path, model_info):
     """A sentence-transformers default prompt that vLLM does not apply: every vector would differ."""
     model = tmp_path / "model"
     model.mkdir()
@@ -45,6 +50,12 @@ def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
     cfg = json.loads((model_info.path / "config_sentence_transformers.json").read_text())
     cfg.update(prompts={"query": "query: "}, default_prompt_name="query")
     (model / "config_sentence_transformers.json").write_text(json.dumps(cfg))
+    return model
+
+
+def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
+    """An engine handed to the run: checked in this process."""
+    model = _model_with_a_default_prompt(tmp_path, model_info)
     write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
     spec = make_job(tmp_path / "in.parquet", tmp_path / "out", model={"name": str(model)})
     p = prepare(spec)
@@ -58,3 +69,47 @@ def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
         assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["fidelity"] == {"status": "off"}
     finally:
         engine.close()
+
+
+def test_an_engine_the_run_starts_is_checked_against_a_reference_made_meanwhile(tmp_path, model_info):
+    """The CLI starts its engine; sentence-transformers' side is computed in a process of its own
+    while the engine starts (fidelity.Reference), and a disagreement still refuses the run."""
+    model = _model_with_a_default_prompt(tmp_path, model_info)
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out", model={"name": str(model)})))
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "batchembed"), "run", str(job),
+                        "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1 and re.search(r"fidelity check failed .* cosine .* is 0\.[0-8][0-9]* at worst", r.stderr)
+    assert "Traceback" not in r.stderr
+    assert not list((tmp_path / "out").glob("part-*")) and not (tmp_path / "out" / "_fidelity.json").exists()
+
+
+def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_not(tmp_path, model_info,
+                                                                                   st_model):
+    texts = TEXTS[:3]
+    ok = Reference(str(model_info.path), model_info.max_length, "", texts)
+    try:
+        got, vectors = ok.result()
+    finally:
+        ok.close()
+    want = st_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    assert got == texts and np.allclose(vectors, want, atol=1e-5)
+    assert not os.path.exists(ok.folder) and not ok.process.is_alive()
+
+    missing = Reference(str(tmp_path / "no-model"), 128, "", texts)
+    try:
+        with pytest.raises(RunError, match="could not embed the sample: .*no-model"):
+            missing.result()
+    finally:
+        missing.close()
+
+    killed = Reference(str(model_info.path), 128, "", texts)
+    try:
+        killed.process.kill()  # as the OOM killer would
+        killed.process.join()
+        killed.watch()  # the run's process, while engine processes wait on the folder
+        with pytest.raises(RunError, match="its process ended with exit code -9"):
+            killed.file().result()
+    finally:
+        killed.close()

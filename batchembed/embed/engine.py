@@ -355,30 +355,22 @@ class Engine:
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != _MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})
-        # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
-        # engine's processes would die of it mid-step, with tracebacks, while this process stops
-        # the run and then them (interrupts.py). Started with this set, they block both signals,
-        # and die with this process when the main thread starts them (procguard.py).
-        main = threading.current_thread() is threading.main_thread()
-        env = {**env, procguard.ENV: "die-with-parent" if main else "1"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # read by the engine's processes as they start, in LLM()
         # deprecations inside vLLM (torch.distributed.reduce_op, ...) are not the user's to act on;
         # with the engine in this process they would print on every run
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         t1 = time.perf_counter()
         before = set(child_pids(os.getpid()))
         try:
-            self.llm = LLM(**args)
+            # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
+            # engine's processes would die of it mid-step, with tracebacks, while this process stops
+            # the run and then them (interrupts.py). Started under procguard's setting, they block
+            # both signals, and die with this process when the main thread starts them. `env` is
+            # read by them as they start, in LLM().
+            with procguard.starting(env):
+                self.llm = LLM(**args)
             self.processes = _engine_processes(before)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         # where start-up goes: the import is paid once per process, the build (engine process,
         # weights, compile or its cache, CUDA graphs) once per engine
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s", replica + 1, replicas, t1 - t0,

@@ -24,18 +24,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None) -> Engine:
+def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None,
+                 reference: fidelity.ReferenceFile | None = None) -> Engine:
     """A new engine for the job, checked by the fidelity guard (unless off or done): the one way
-    every executor, and the int8 calibration, gets an engine. `lock` serialises the build."""
+    every executor, and the int8 calibration, gets an engine. `lock` serialises the build.
+    `reference`: the run's fidelity reference; without one, one is computed while this builds."""
     from ..embed.engine import Engine
 
-    with lock if lock is not None else contextlib.nullcontext():
-        engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
+    own = fidelity.start_reference(p) if reference is None else None
     try:
-        fidelity.ensure(p, engine)
-    except BaseException:
-        engine.close()
-        raise
+        with lock if lock is not None else contextlib.nullcontext():
+            engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
+        try:
+            fidelity.ensure(p, engine, reference or own)
+        except BaseException:
+            engine.close()
+            raise
+    finally:
+        if own is not None:
+            own.close()
     return engine
 
 
@@ -72,9 +79,10 @@ class Worker:
     otherwise one is started on the first window that needs it (`replica` of `replicas`
     places it) and closed by close()."""
 
-    def __init__(self, p: Prepared, engine=None, replica: int = 0, replicas: int = 1, start_lock=None):
+    def __init__(self, p: Prepared, engine=None, replica: int = 0, replicas: int = 1, start_lock=None,
+                 reference: fidelity.ReferenceFile | None = None):
         self.p, self.given, self.replica, self.replicas = p, engine, replica, replicas
-        self.start_lock = start_lock
+        self.start_lock, self.reference = start_lock, reference
         self.own = None
         self.start_seconds: float | None = None
         self.restarts = 0
@@ -86,7 +94,7 @@ class Worker:
             fidelity.ensure(self.p, self.given)  # a given engine is checked before its first vector too
             engine = self.given
         else:
-            engine = self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock)
+            engine = self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock, self.reference)
         self.start_seconds = time.perf_counter() - t0
         return engine
 
@@ -104,7 +112,7 @@ class Worker:
         log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, self.restarts,
                     limit)
         t0 = time.perf_counter()
-        self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock)
+        self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock, self.reference)
         log.warning("engine restarted in %.1f s; the windows it had not finished go to the new one",
                     time.perf_counter() - t0)
         return self.own

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from ..plan import Task
 
 
-def run_local(p: Prepared, pending: list[Task], progress, engine=None) -> RunResult:
+def run_local(p: Prepared, pending: list[Task], progress, engine=None, reference=None) -> RunResult:
     tasks: queue.Queue = queue.Queue()
     for t in pending:
         tasks.put(t)
-    worker = Worker(p, engine)
+    worker = Worker(p, engine, reference=reference)
     t0 = time.perf_counter()
     try:
         worker.run(tasks, progress)

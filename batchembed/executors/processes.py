@@ -110,7 +110,7 @@ def _share_cores(replicas: int) -> None:
 
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
-            start_lock: str, stop, spawned_at: float) -> None:
+            start_lock: str, stop, spawned_at: float, reference) -> None:
     _die_with_parent()
     interrupts.ignore()
     _isolate(replica, os.path.dirname(start_lock))
@@ -131,7 +131,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
 
         log.info("engine process %d: %.1f s from its start to its plan (vLLM imported once for all engines "
                  "in %.1f s)", replica, time.time() - spawned_at, preload.IMPORT_SECONDS)
-        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial)
+        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference)
         try:
             worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
                        lambda step: results_q.put(("progress", replica, step)), stop)
@@ -167,9 +167,10 @@ class _FileLock:
         self._f.close()  # releases the lock
 
 
-def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int) -> RunResult:
-    """Run the pending tasks on `replicas` engine processes. Raises RunError if any fails."""
-    result, error = _supervise(p, pending, progress, replicas)
+def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int, reference=None) -> RunResult:
+    """Run the pending tasks on `replicas` engine processes, which check their engines against
+    `reference` (fidelity.Reference), if given. Raises RunError if any fails."""
+    result, error = _supervise(p, pending, progress, replicas, reference)
     if result.tail_seconds is not None:
         log.info("the first engine to run out of parts waited %.1f s for the last (one window's work: %.1f s)",
                  result.tail_seconds, result.window_seconds or 0.0)
@@ -224,7 +225,8 @@ def _stop_forkserver() -> None:
         server._stop()  # noqa: SLF001 - reaps it and removes its socket
 
 
-def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tuple[RunResult, str | None]:
+def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
+               reference) -> tuple[RunResult, str | None]:
     """Hand parts to the workers as they ask, until none is left. A worker process that dies
     without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
     run; the parts it had taken and not committed go back to the list for whoever asks next."""
@@ -250,7 +252,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
         _engines_started = True
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
                         args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
-                              time.time()))
+                              time.time(), reference.file() if reference else None))
         w.start()
         return w
 
@@ -264,6 +266,8 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int) -> tup
         while len(done) < replicas and error is None:
             if interrupts.requested() and not stop.is_set():
                 stop.set()  # each worker drops its part in progress, closes its engine and reports
+            if reference is not None:
+                reference.watch()  # workers waiting for it learn if its process died
             try:
                 msg = results_q.get(timeout=1.0)
             except queue.Empty:
