@@ -76,7 +76,7 @@ def engine_key(p: Prepared) -> EngineKey:
 
 class Worker:
     """One engine's worth of work. `engine`: a loaded engine to use (checked, not closed);
-    otherwise one is started on the first window that needs it (`replica` of `replicas`
+    otherwise one is started when the pipeline first wants it (`replica` of `replicas`
     places it) and closed by close()."""
 
     def __init__(self, p: Prepared, engine=None, replica: int = 0, replicas: int = 1, start_lock=None,

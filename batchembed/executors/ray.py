@@ -2,7 +2,7 @@
 
 Each engine actor (`ray.engines` of them, with `num_cpus_per_engine` and
 `num_gpus_per_engine` each) holds one base.Worker for its life: it plans the job itself
-(footers only), starts its engine on the first window that needs one, and runs whole parts
+(footers only), starts its engine when its pipeline first wants it, and runs whole parts
 through the one pipeline it keeps, so its dedup cache spans every part it runs. A part is
 scheduled on whichever actor is free (Ray's ActorPool). The driver plans, resumes and
 writes the manifest, as for a local run.

@@ -33,7 +33,7 @@ __all__ = ["Pipeline", "name_os_thread"]
 
 class Pipeline:
     def __init__(self, p: Prepared, engine_source: Callable[[], object], replace_engine=None):
-        """`engine_source()` gives the engine, on the first window that needs one;
+        """`engine_source()` gives the engine, when the embedding stage first wants it (embed.py);
         `replace_engine(engine, failure)` one for an engine that died or hung (embed.py)."""
         self.p = p
         self.reader = ReadStage(p)

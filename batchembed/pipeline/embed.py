@@ -44,8 +44,9 @@ def _waiting(item) -> bool:
 class EmbedStage:
     def __init__(self, p: Prepared, engine_source: Callable[[], object],
                  replace_engine: Callable[[object, EngineFailure], object] | None = None):
-        """`engine_source()` gives the engine, called on the first window that needs one (a run
-        that only reuses vectors never loads it). `replace_engine(engine, failure)` gives a new
+        """`engine_source()` gives the engine: as the first run starts, or, where a previous
+        output may give the vectors, on the first window that needs one (a run that only reuses
+        vectors never loads it). `replace_engine(engine, failure)` gives a new
         one for an engine that died or hung (or raises); without it the failure ends the run."""
         self.p, self.engine_source, self.replace_engine = p, engine_source, replace_engine
         self.engine = None
@@ -182,6 +183,11 @@ class EmbedStage:
         depth = self.p.spec.engine.windows_in_flight
         held: deque = deque()  # items taken, in order, not yet handed to the writer
         ended = False
+        if self.engine is None and self.p.previous is None:
+            # Without a previous output to reuse from, a run's rows need the engine: it starts now,
+            # while the reader reads and tokenises the first windows (1.4 s of each engine
+            # process's start on an H200 host, notes/performance.md), not after.
+            self._engine()
         while True:
             while held and not _waiting(held[0]):
                 item = held.popleft()
