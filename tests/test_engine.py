@@ -32,7 +32,9 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
         pytest.skip("GPU build: the engine core runs in a process of its own by default")
     assert default_in_process(EngineSpec(), on_cpu=True) and not default_in_process(EngineSpec(), on_cpu=False)
     assert not engine.in_process and engine.processes  # the session's engine, made with in_process: false
-    with Engine(model_info, "float32", model_info.max_length, EngineSpec()) as eng:
+    waits = []  # on CPU the build waits for what must be off the cores first (the fidelity reference)
+    with Engine(model_info, "float32", model_info.max_length, EngineSpec(), cpu_wait=lambda: waits.append(1)) as eng:
+        assert waits == [1]
         assert eng.in_process and eng.processes == []
         assert type(eng.llm.llm_engine.engine_core).__name__ == "InprocClient"
         assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "8"  # read by the worker, in this process

@@ -32,11 +32,13 @@ def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None,
     from ..embed.engine import Engine
 
     own = fidelity.start_reference(p) if reference is None else None
+    reference = reference or own
     try:
         with lock if lock is not None else contextlib.nullcontext():
-            engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas)
+            engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas,
+                            cpu_wait=reference.result if reference is not None else None)
         try:
-            fidelity.ensure(p, engine, reference or own)
+            fidelity.ensure(p, engine, reference)
         except BaseException:
             engine.close()
             raise
