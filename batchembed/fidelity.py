@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import procguard
+from . import interrupts, procguard
 from .embed.batcher import embed_isolating
 from .embed.tokenizer import Tokenizer
 from .errors import RunError
@@ -95,8 +95,11 @@ class ReferenceFile:
             texts = json.load(f)
         return texts, np.load(self._path("vectors.npy"))
 
-    def result(self) -> tuple[list[str], np.ndarray]:
+    def result(self, stop=interrupts.requested) -> tuple[list[str], np.ndarray]:
+        """Wait for poll()'s answer; RunError once `stop()` (by default: SIGINT / SIGTERM came)."""
         while (r := self.poll()) is None:
+            if stop():
+                raise RunError("stopped while waiting for the fidelity check's reference")
             time.sleep(0.05)
         return r
 
@@ -144,7 +147,10 @@ def _write(path: str, text: str) -> None:
 
 
 def _embed_reference(model_path: str, max_length: int, prefix: str, texts: list[str], folder: str) -> None:
-    """The reference process: embed `texts` into folder/vectors.npy (or the error into error.txt)."""
+    """The reference process: embed `texts` into folder/vectors.npy (or the error into error.txt).
+    Its libraries' warnings (sentence-transformers on a bf16 model on CPU: "inference may be
+    significantly slower") are not the user's to act on; a failure reaches the run."""
+    logging.disable(logging.WARNING)
     try:
         path = os.path.join(folder, "vectors.npy")
         np.save(path + ".tmp.npy", _encode(model_path, max_length, prefix, texts))

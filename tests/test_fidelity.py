@@ -97,6 +97,14 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
     assert got == texts and np.allclose(vectors, want, atol=1e-5)
     assert not os.path.exists(ok.folder) and not ok.process.is_alive()
 
+    waiting = Reference(str(model_info.path), 128, "", texts)
+    try:  # a run stopped by a signal does not wait for it (interrupts.requested by default)
+        with pytest.raises(RunError, match="stopped while waiting"):
+            waiting.result(stop=lambda: True)
+    finally:
+        waiting.close()
+    assert not os.path.exists(waiting.folder) and not waiting.process.is_alive()
+
     missing = Reference(str(tmp_path / "no-model"), 128, "", texts)
     try:
         with pytest.raises(RunError, match="could not embed the sample: .*no-model"):
