@@ -6,7 +6,11 @@
 # 1. fresh: MiniLM, 3,000 rows, one engine, defaults;
 # 2. cold: the page cache dropped (where the machine lets root do it), the same job again: what a
 #    fresh machine costs beyond its cold disk (first CUDA use on the machine, its caches);
-# 3. six engines on the GPU (engine.data_parallel=6), page cache warm.
+# 3. six engines on the GPU (engine.data_parallel=6), page cache warm;
+# 4. two engines of a Qwen3-0.6B shape at 512 tokens saved as a sentence-transformers model
+#    (scripts/fidelity_cost.py makes it, and measures the fidelity reference's cost on this
+#    CPU: OUT_DIR/fidelity-cost.txt), so the fidelity check runs with a reference that costs
+#    seconds: the benchmark models of ../shared/gpu have no modules.json and skip it.
 # Each writes OUT_DIR/<case>.log and .json (the run's summary); OUT_DIR/startup.md the table.
 # First, as `pip install` does, the bundle's Python files are compiled to bytecode (timed apart):
 # ../shared/gpu unpacks wheels without it, and a first import would compile vLLM and its
@@ -40,12 +44,16 @@ compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
   run fresh
   if drop; then run cold; fi
   run six-engines -- --set engine.data_parallel=6
+  python3 scripts/fidelity_cost.py --shapes qwen3-0.6b --out "$W/fc" > "$OUT/fidelity-cost.txt" 2>&1
+  tail -3 "$OUT/fidelity-cost.txt"
+  run qwen-st-two-engines -- --set engine.data_parallel=2 --set model.name="$W/fc/models/qwen3-0.6b" \
+    --set model.max_length=512
 } | tee "$OUT/startup.txt"
 python3 - "$OUT" <<'PY' > "$OUT/startup.md"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print("| case | engines | engine start s | whole run s |\n|---|---|---|---|")
-for name in ("fresh", "cold", "six-engines"):
+for name in ("fresh", "cold", "six-engines", "qwen-st-two-engines"):
     f = out / f"{name}.json"
     if f.exists() and f.read_text().strip():
         s = json.loads(f.read_text().strip().splitlines()[-1])
