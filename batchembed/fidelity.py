@@ -25,9 +25,10 @@ import functools
 import importlib.util
 import json
 import logging
-import multiprocessing as mp
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from typing import TYPE_CHECKING
@@ -105,19 +106,24 @@ class ReferenceFile:
 
 
 class Reference(ReferenceFile):
-    """sentence-transformers' vectors for the sample, computed in a process of its own (spawned:
-    no state of this process's, and its memory is returned when it ends). Owned by the process
-    that runs the job, which calls watch() while engine processes wait, and close() at the end."""
+    """sentence-transformers' vectors for the sample, computed in a process of its own: a new
+    interpreter (`python -c`, not multiprocessing's spawn, which would run the caller's main
+    module again: a script without an `if __name__ == "__main__"` guard worked before the
+    reference had a process, and must still), whose memory is returned when it ends. Owned by the
+    process that runs the job, which calls watch() while engine processes wait, and close() at
+    the end."""
 
     def __init__(self, model_path: str, max_length: int, prefix: str, texts: list[str]):
         super().__init__(tempfile.mkdtemp(prefix="batchembed-fidelity-"))
         with open(self._path("texts.json"), "w", encoding="utf-8") as f:
             json.dump(texts, f)
-        self.process = mp.get_context("spawn").Process(
-            target=_embed_reference, args=(model_path, max_length, prefix, texts, self.folder),
-            name="batchembed-fidelity", daemon=True)
+        with open(self._path("request.json"), "w", encoding="utf-8") as f:
+            json.dump({"model_path": model_path, "max_length": max_length, "prefix": prefix}, f)
         with procguard.starting():  # Ctrl-C is the run's to handle; dies with this process
-            self.process.start()
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from batchembed.fidelity import _reference_process; "
+                                       "_reference_process(sys.argv[1])", self.folder],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     def file(self) -> ReferenceFile:
         return ReferenceFile(self.folder)
@@ -125,18 +131,18 @@ class Reference(ReferenceFile):
     def watch(self) -> None:
         """Say so (error.txt) if the process ended without a result (the OOM killer, a crash); its
         result, if any, is in place before it ends."""
-        if self.process.exitcode is not None and not any(
-                os.path.exists(self._path(name)) for name in ("vectors.npy", "error.txt")):
-            _write(self._path("error.txt"), f"its process ended with exit code {self.process.exitcode}")
+        code = self.process.poll()
+        if code is not None and not any(os.path.exists(self._path(name)) for name in ("vectors.npy", "error.txt")):
+            _write(self._path("error.txt"), f"its process ended with exit code {code}")
 
     def poll(self):
         self.watch()
         return super().poll()
 
     def close(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(timeout=10)
+        self.process.wait(timeout=10)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -146,14 +152,19 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _embed_reference(model_path: str, max_length: int, prefix: str, texts: list[str], folder: str) -> None:
-    """The reference process: embed `texts` into folder/vectors.npy (or the error into error.txt).
-    Its libraries' warnings (sentence-transformers on a bf16 model on CPU: "inference may be
-    significantly slower") are not the user's to act on; a failure reaches the run."""
+def _reference_process(folder: str) -> None:
+    """The reference process: embed folder/texts.json as folder/request.json says, into
+    folder/vectors.npy (or the error into error.txt). Its libraries' warnings
+    (sentence-transformers on a bf16 model on CPU: "inference may be significantly slower") are
+    not the user's to act on; a failure reaches the run."""
     logging.disable(logging.WARNING)
     try:
+        with open(os.path.join(folder, "request.json"), encoding="utf-8") as f:
+            request = json.load(f)
+        with open(os.path.join(folder, "texts.json"), encoding="utf-8") as f:
+            texts = json.load(f)
         path = os.path.join(folder, "vectors.npy")
-        np.save(path + ".tmp.npy", _encode(model_path, max_length, prefix, texts))
+        np.save(path + ".tmp.npy", _encode(request["model_path"], request["max_length"], request["prefix"], texts))
         os.replace(path + ".tmp.npy", path)
     except BaseException as e:  # noqa: BLE001 - reported to the engines through the folder
         _write(os.path.join(folder, "error.txt"), f"{type(e).__name__}: {e}")

@@ -95,7 +95,7 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
         ok.close()
     want = st_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
     assert got == texts and np.allclose(vectors, want, atol=1e-5)
-    assert not os.path.exists(ok.folder) and not ok.process.is_alive()
+    assert not os.path.exists(ok.folder) and ok.process.poll() is not None
 
     waiting = Reference(str(model_info.path), 128, "", texts)
     try:  # a run stopped by a signal does not wait for it (interrupts.requested by default)
@@ -103,7 +103,7 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
             waiting.result(stop=lambda: True)
     finally:
         waiting.close()
-    assert not os.path.exists(waiting.folder) and not waiting.process.is_alive()
+    assert not os.path.exists(waiting.folder) and waiting.process.poll() is not None
 
     missing = Reference(str(tmp_path / "no-model"), 128, "", texts)
     try:
@@ -115,9 +115,24 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
     killed = Reference(str(model_info.path), 128, "", texts)
     try:
         killed.process.kill()  # as the OOM killer would
-        killed.process.join()
+        killed.process.wait()
         killed.watch()  # the run's process, while engine processes wait on the folder
         with pytest.raises(RunError, match="its process ended with exit code -9"):
             killed.file().result()
     finally:
         killed.close()
+
+
+def test_a_script_without_a_main_guard_can_run_a_job(tmp_path):
+    """The reference's process is a new interpreter, not multiprocessing's spawn, which would run
+    the script's top level again (and fail the check) where it has no `if __name__ == "__main__"`."""
+    write_parquet(tmp_path / "in.parquet", {"id": list(range(20)), "text": TEXTS})
+    script = tmp_path / "nightly.py"
+    script.write_text(
+        "from batchembed.config import JobSpec\n"
+        "from batchembed.run import run_job\n"
+        f"spec = JobSpec.model_validate({job_dict(tmp_path / 'in.parquet', tmp_path / 'out')!r})\n"
+        "print('rows', run_job(spec, show_progress=False).rows)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "rows 20" in r.stdout, r.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "_fidelity.json").read_text())["status"] == "passed"
