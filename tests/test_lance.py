@@ -287,3 +287,23 @@ def test_without_pylance_a_lance_job_is_refused_with_the_install_hint(monkeypatc
     monkeypatch.delitem(sys.modules, "batchembed.output.lance", raising=False)
     with pytest.raises(JobError, match=r"output.format: lance needs lance: pip install 'batchembed\[lance\]'"):
         get_format("lance")
+
+
+def test_an_index_another_run_committed_first_is_kept_not_an_error(tmp_path, fake):
+    """Two runs that finish at once both build the index; Lance commits one and tells the other
+    of a retryable conflict (seen in CI with two runs at once on S3): the other keeps it."""
+    from batchembed.config import IndexSpec
+
+    _corpus(tmp_path, files=1)
+    run_job(_job(tmp_path), engine=fake, show_progress=False)  # no index yet
+    folder = OutputFolder.open(str(tmp_path / "out.lance"), fmt="lance")
+    stale = lance.dataset(str(tmp_path / "out.lance"))  # what the slower run had open
+    first = folder.fmt.build_index(folder, IndexSpec(type="ivf_pq", num_sub_vectors=16), "embedding", "id", True)
+    assert first["built"] and not first["kept"]
+
+    def late(_):
+        stale.create_index("embedding", "IVF_PQ", name=first["name"], metric="l2", replace=True,
+                           num_partitions=first["num_partitions"], num_sub_vectors=16)
+
+    assert folder.fmt._index(folder, first["name"], late, "output.index: failed") is True
+    assert lance.dataset(str(tmp_path / "out.lance")).stats.index_stats(first["name"])["num_unindexed_rows"] == 0

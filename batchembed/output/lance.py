@@ -18,6 +18,7 @@ scalar index on the id column; an index that already covers every row is kept.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import tempfile
@@ -33,10 +34,16 @@ import lance  # noqa: E402 - pylance; the registry (output/__init__.py) gives it
 from lance.file import LanceFileWriter  # noqa: E402
 from lance.fragment import LanceFragment  # noqa: E402
 
+try:
+    from lance.commit import CommitConflictError as _CONFLICT  # noqa: E402
+except ImportError:  # older pylance: told by its message
+    _CONFLICT = ()
+
 from ..errors import RunError
 from ..storage import full_url, is_local, retry
 from .base import copy_rows
 
+log = logging.getLogger(__name__)
 SEP = "__"  # data/<part>__<uuid>.lance
 DIRS = ("_versions", "_transactions", "_indices", "_deletions", "_refs", "data")
 COMMIT_ATTEMPTS = 50
@@ -309,18 +316,35 @@ class LanceOutput:
                 d = ds.schema.field(column).type.list_size
                 kwargs["num_sub_vectors"] = next(k for k in range(max(1, d // 16), 0, -1) if d % k == 0)
             info.update(num_partitions=kwargs.get("num_partitions"), num_sub_vectors=kwargs.get("num_sub_vectors"))
-            try:
-                ds.create_index(column, INDEX_TYPES[spec.type], name=name, metric=spec.metric, replace=True,
-                                **kwargs)
-            except Exception as e:  # noqa: BLE001 - Lance says what it could not train, and why
-                raise RunError(f"output.index: building {spec.type} on {column} of {folder.url} failed: "
-                               f"{e}") from None
+            info["kept"] = self._index(folder, name, lambda d: d.create_index(
+                column, INDEX_TYPES[spec.type], name=name, metric=spec.metric, replace=True, **kwargs),
+                f"output.index: building {spec.type} on {column} of {folder.url} failed")
         if id_column and spec.id_index:
             ds = self.dataset(folder)
             if changed or not self._covers(ds, id_name):
-                ds.create_scalar_index(id_column, "BTREE", name=id_name, replace=True)
+                self._index(folder, id_name, lambda d: d.create_scalar_index(id_column, "BTREE", name=id_name,
+                                                                             replace=True),
+                             f"output.index: the BTREE on {id_column} of {folder.url} failed")
         info["seconds"] = round(time.perf_counter() - started, 3)
         return {**info, "name": name, "built": True}
+
+    def _index(self, folder, name: str, create, failed: str) -> bool:
+        """create(dataset), on the dataset as it is now. Two runs that finish at once (shards, a
+        rerun beside a run) both build the index: Lance commits one and tells the other of a
+        retryable conflict, after which the index the other built is kept if it covers every row,
+        and the build is tried again otherwise. Returns whether another run's index was kept."""
+        for attempt in range(3):
+            try:
+                create(self.dataset(folder))
+                return False
+            except Exception as e:  # noqa: BLE001 - Lance says what it could not train, and why
+                conflict = isinstance(e, _CONFLICT) or "commit conflict" in str(e).lower()
+                if not conflict or attempt == 2:
+                    raise RunError(f"{failed}: {e}") from None
+                if self._covers(self.dataset(folder), name):
+                    log.info("%s: built by a run that finished at the same time; kept", name)
+                    return True
+        return False
 
     @staticmethod
     def _indexes(ds) -> list[str]:
