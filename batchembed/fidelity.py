@@ -115,15 +115,19 @@ class Reference(ReferenceFile):
 
     def __init__(self, model_path: str, max_length: int, prefix: str, texts: list[str]):
         super().__init__(tempfile.mkdtemp(prefix="batchembed-fidelity-"))
-        with open(self._path("texts.json"), "w", encoding="utf-8") as f:
-            json.dump(texts, f)
-        with open(self._path("request.json"), "w", encoding="utf-8") as f:
-            json.dump({"model_path": model_path, "max_length": max_length, "prefix": prefix}, f)
-        with procguard.starting():  # Ctrl-C is the run's to handle; dies with this process
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from batchembed.fidelity import _reference_process; "
-                                       "_reference_process(sys.argv[1])", self.folder],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        try:
+            with open(self._path("texts.json"), "w", encoding="utf-8") as f:
+                json.dump(texts, f)
+            with open(self._path("request.json"), "w", encoding="utf-8") as f:
+                json.dump({"model_path": model_path, "max_length": max_length, "prefix": prefix}, f)
+            with procguard.starting():  # Ctrl-C is the run's to handle; dies with this process
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", "import sys; from batchembed.fidelity import _reference_process; "
+                                           "_reference_process(sys.argv[1])", self.folder],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)  # nothing of it outlives a failed start
+            raise
 
     def file(self) -> ReferenceFile:
         return ReferenceFile(self.folder)
