@@ -223,17 +223,19 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine}
     reason = _skip_reason(p)
-    texts = [] if reason is not None else reference.result()[0] if reference else p.first_texts(SAMPLE_ROWS)
+    texts, theirs = [], None
+    if reason is None:
+        # an engine handed to the run is checked here, in this process (sentence-transformers'
+        # model kept for the next run); one the run starts, against the run's reference process
+        texts, theirs = reference.result() if reference else (p.first_texts(SAMPLE_ROWS), None)
     if reason is None and not texts:
         reason = "the input has no non-null text"
     if reason is not None:
         log.warning("fidelity check skipped: %s", reason)
         result.update(status="skipped", reason=reason)
     else:
-        # an engine handed to the run is checked here, in this process (sentence-transformers'
-        # model kept for the next run); one the run starts, against the run's reference process
-        theirs = reference.result()[1] if reference else _encode(str(p.model.path), p.max_length,
-                                                                 p.spec.model.text_prefix, texts)
+        if theirs is None:
+            theirs = _encode(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts)
         ours, bad = embed_isolating(engine, Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
         if bad:  # rows the engine fails alone are the run's to report (_errors/), not a disagreement
             ours = np.delete(ours, list(bad), axis=0)

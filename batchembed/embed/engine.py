@@ -362,11 +362,11 @@ class Engine:
         # deprecations inside vLLM (torch.distributed.reduce_op, ...) are not the user's to act on;
         # with the engine in this process they would print on every run
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
-        waited = time.perf_counter()
+        t_wait = time.perf_counter()
         if self.on_cpu and cpu_wait is not None:
             cpu_wait()
         t1 = time.perf_counter()
-        waited = t1 - waited
+        waited = t1 - t_wait
         before = set(child_pids(os.getpid()))
         try:
             # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
