@@ -119,3 +119,23 @@ def test_rows_the_engine_fails_are_found_written_as_null_and_listed(tmp_path, mo
     assert again.failed_rows == 0 and again.tasks_run == 2 and again.tasks_skipped == 1
     assert (out / "_SUCCESS").exists() and not list((out / "_errors").glob("*"))
     assert all(v is not None for v in read_output(out).column("embedding").to_pylist())
+
+
+def test_an_engine_starts_ahead_of_the_first_window_only_for_a_pipeline_with_a_task(tmp_path, fake):
+    # an engine process that finds every part taken by the others builds no engine
+    import queue
+
+    from batchembed.job import prepare
+    from batchembed.pipeline import Pipeline
+
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(20)), "text": [f"t {i}" for i in range(20)]})
+    p = prepare(_job(tmp_path))
+    asked = []
+    pipeline = Pipeline(p, lambda: asked.append(1) or fake)
+    assert pipeline.run(queue.Queue(), lambda step: None) == {}
+    assert asked == [] and fake.sequences == 0
+    tasks = queue.Queue()
+    for t in p.tasks:
+        tasks.put(t)
+    assert len(pipeline.run(tasks, lambda step: None)) == len(p.tasks)
+    assert asked == [1] and fake.sequences == 20

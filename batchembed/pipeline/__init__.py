@@ -51,6 +51,7 @@ class Pipeline:
         pipelines, and so may `stop`). Returns the records of the parts committed by this run;
         raises the first error of any stage."""
         stop = interrupts.Either(stop or threading.Event(), interrupts.STOP)
+        tasks = _Watched(tasks, stop)
         errors: list[BaseException] = []
         q_in: queue.Queue = queue.Queue(maxsize=4)
         q_out: queue.Queue = queue.Queue(maxsize=4)
@@ -74,7 +75,7 @@ class Pipeline:
             t.start()
         calls_before = len(self.embedder.calls)
         try:
-            self.embedder.run(q_in, q_out, stop)
+            self.embedder.run(q_in, q_out, stop, tasks.any_task)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             stop.set()
@@ -101,3 +102,29 @@ class Pipeline:
                  "windows, idle %.1f s (of which %.1f s waiting for tokenised windows, over the pipeline's "
                  "life); %.1f s waiting for the writer", span, busy, len(calls), max(0.0, span - busy),
                  e.input_wait_seconds, e.output_wait_seconds)
+
+
+class _Watched:
+    """A run's `tasks`, which can tell whether the reader's first ask gave it a task: the engine is
+    started ahead of the first window only for a pipeline that has work (an engine process that
+    finds every part taken builds no engine)."""
+
+    def __init__(self, tasks, stop):
+        self.tasks, self.stop = tasks, stop
+        self.asked = threading.Event()
+        self.got = False
+
+    def get_nowait(self):
+        try:
+            task = self.tasks.get_nowait()
+            self.got = True
+            return task
+        finally:
+            self.asked.set()
+
+    def any_task(self) -> bool:
+        """Whether the reader got a task, once it has asked (False if the run stops first)."""
+        while not self.asked.wait(0.05):
+            if self.stop.is_set():
+                return False
+        return self.got

@@ -177,13 +177,14 @@ class EmbedStage:
         # each with a list of Python ints per row (~36 bytes a token)
         w.tok.ids, w.tok.chunks = [], None
 
-    def run(self, q_in: queue.Queue, q_out: queue.Queue, stop) -> None:
+    def run(self, q_in: queue.Queue, q_out: queue.Queue, stop, has_work: Callable[[], bool] = lambda: True) -> None:
         """Items go out in the order they came in; up to `windows_in_flight` windows wait on the
-        engine meanwhile. The thread blocks on its input only when the engine has no work."""
+        engine meanwhile. The thread blocks on its input only when the engine has no work.
+        `has_work()`: whether the run has any task (it may wait for the reader's first ask)."""
         depth = self.p.spec.engine.windows_in_flight
         held: deque = deque()  # items taken, in order, not yet handed to the writer
         ended = False
-        if self.engine is None and self.p.previous is None:
+        if self.engine is None and self.p.previous is None and has_work():
             # Without a previous output to reuse from, a run's rows need the engine: it starts now,
             # while the reader reads and tokenises the first windows (1.4 s of each engine
             # process's start on an H200 host, notes/performance.md), not after.
