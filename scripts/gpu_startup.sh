@@ -18,6 +18,8 @@
 set -uo pipefail
 OUT=${1:?usage: gpu_startup.sh OUT_DIR}
 export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# vLLM's own start-up lines (weights loaded in X s, engine initialised in Y s) go to each case's log
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 mkdir -p "$OUT"
 W=$(mktemp -d)
 python3 scripts/make_demo_corpus.py "$W/corpus" --rows 3000 --files 4 --row-group-rows 500 > /dev/null
