@@ -27,8 +27,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from typing import TYPE_CHECKING
@@ -106,9 +104,8 @@ class ReferenceFile:
 
 
 class Reference(ReferenceFile):
-    """sentence-transformers' vectors for the sample, computed in a process of its own: a new
-    interpreter (`python -c`, not multiprocessing's spawn, which would run the caller's main
-    module again: a script without an `if __name__ == "__main__"` guard worked before the
+    """sentence-transformers' vectors for the sample, computed in a process of its own
+    (procguard.helper: a script without an `if __name__ == "__main__"` guard worked before the
     reference had a process, and must still), whose memory is returned when it ends. Owned by the
     process that runs the job, which calls watch() while engine processes wait, and close() at
     the end."""
@@ -120,11 +117,7 @@ class Reference(ReferenceFile):
                 json.dump(texts, f)
             with open(self._path("request.json"), "w", encoding="utf-8") as f:
                 json.dump({"model_path": model_path, "max_length": max_length, "prefix": prefix}, f)
-            with procguard.starting():  # Ctrl-C is the run's to handle; dies with this process
-                self.process = subprocess.Popen(
-                    [sys.executable, "-c", "import sys; from batchembed.fidelity import _reference_process; "
-                                           "_reference_process(sys.argv[1])", self.folder],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            self.process = procguard.helper("batchembed.fidelity:_reference_process", self.folder)
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)  # nothing of it outlives a failed start
             raise
@@ -144,9 +137,7 @@ class Reference(ReferenceFile):
         return super().poll()
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
+        procguard.end(self.process)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

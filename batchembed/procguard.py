@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 ENV = "BATCHEMBED_ENGINE_PROCESS"
@@ -36,6 +38,24 @@ def starting(extra: dict[str, str] | None = None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def helper(function: str, folder: str) -> subprocess.Popen:
+    """A helper process of the run: a new interpreter that runs `function` ("module:name") on
+    `folder`, its only way to and from the run. A new interpreter, not multiprocessing's spawn,
+    which would run the caller's main module again (a user's script without a main guard would
+    start its job twice). Ctrl-C is the run's to handle; it dies with the starting thread."""
+    module, name = function.split(":")
+    with starting():
+        return subprocess.Popen([sys.executable, "-c", f"import sys; from {module} import {name}; {name}(sys.argv[1])",
+                                 folder], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def end(process: subprocess.Popen) -> None:
+    """Kill a helper if it still runs, and reap it."""
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=10)
 
 
 def guard() -> None:

@@ -139,3 +139,66 @@ def test_an_engine_starts_ahead_of_the_first_window_only_for_a_pipeline_with_a_t
         tasks.put(t)
     assert len(pipeline.run(tasks, lambda step: None)) == len(p.tasks)
     assert asked == [1] and fake.sequences == 20
+
+
+def test_windows_tokenised_ahead_are_the_windows_the_reader_makes(tmp_path):
+    # pipeline/ahead.py: a helper process, at the lowest CPU priority, leaves the windows of parts
+    # no reader has begun; a reader takes them (each once) and tokenises itself what is not there
+    import os
+
+    from batchembed.job import prepare
+    from batchembed.pipeline.ahead import TokenizeAhead
+    from batchembed.pipeline.read import ReadStage
+
+    rng = np.random.default_rng(5)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 200)))) for _ in range(90)]
+    texts[3], texts[40] = None, texts[41]
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(90)), "text": texts}, row_group_size=30)
+    p = prepare(_job(tmp_path, output={"rows_per_part": 30}, engine={"sort_window_rows": 8}))
+    first, second, third = p.tasks
+    helper = TokenizeAhead(p, [second, first, third])
+    try:
+        assert os.sched_getscheduler(helper.process.pid) == os.SCHED_IDLE
+        helper.folder.take(third.part_id)  # a reader began this one: the helper leaves it
+        assert helper.process.wait(timeout=60) == 0
+        folder = helper.folder.folder
+        names = sorted(os.listdir(folder))
+        assert not any(n.startswith(third.part_id) and n.endswith(".npz") for n in names)
+        assert sum(n.startswith(first.part_id) and n.endswith(".npz") for n in names) == 4  # 30 rows in 8s
+
+        def windows(reader, task):
+            got = []
+            reader._read_task(task, _Collect(got), _Never())
+            return [w for _, _, w in got if w is not None]
+
+        alone = windows(ReadStage(p), first)
+        reader = ReadStage(p, helper.folder)
+        helped = windows(reader, first)
+        assert reader.windows_ahead == reader.windows == 4
+        for a, b in zip(alone, helped, strict=True):
+            assert a.tok.ids == b.tok.ids and (a.tok.lengths == b.tok.lengths).all()
+            assert (a.tok.truncated == b.tok.truncated).all() and a.tok.empty == b.tok.empty
+            assert (a.uniq == b.uniq).all()
+        assert not any(n.startswith(first.part_id) and n.endswith(".npz") for n in os.listdir(folder))
+        # a window whose texts are not the ones left there is tokenised by the reader
+        helper.folder.save(second.part_id, 0, alone[1])
+        reader = ReadStage(p, helper.folder)
+        windows(reader, second)
+        assert reader.windows_ahead == 3 and reader.windows == 4
+    finally:
+        helper.close()
+    assert not os.path.exists(helper.folder.folder)
+
+
+class _Collect:
+    def __init__(self, got):
+        self.got = got
+
+    def put(self, item, timeout=None):
+        self.got.append(item)
+
+
+class _Never:
+    @staticmethod
+    def is_set():
+        return False
