@@ -7,9 +7,9 @@
 #   bash scripts/gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS
 #   e.g. bash scripts/gpu_tuned.sh out/t bge-base 80 500 2000000 4,6,8 200000
 # The corpus is scripts/make_demo_corpus.py's (docstrings joined to MIN_CHARS, 8 files).
-# tune writes engine.data_parallel and output.rows_per_part (about 10 parts per engine); the run uses
-# the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result.json,
-# manifest.json (its throughput: tok/s in 60 slices of the run)}
+# tune writes engine.data_parallel and output.rows_per_part (about 30 parts per engine); the run uses
+# the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result-run.json,
+# manifest-run.json (its throughput: tok/s in 60 slices of the run)}, and the same for run-b with AB=
 # and OUT_DIR.tgz.
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
@@ -31,22 +31,30 @@ echo "tune: exit $?, $(python3 -c "import time; print(round(time.time() - $t0, 1
 [ -f "$OUT/tuned.yaml" ] || { tail -20 "$OUT/tune.log"; exit 1; }
 read -r k parts < <(python3 -c "import yaml, sys; j = yaml.safe_load(open(sys.argv[1]))
 print(j['engine']['data_parallel'], j.get('output', {}).get('rows_per_part', 'default'))" "$OUT/tuned.yaml")
-t0=$(date +%s.%N)
-python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress > "$OUT/run.json" 2> "$OUT/run.log"
-rc=$?
-wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
-python3 - "$OUT" "$wall" "$rc" "$k" "$parts" <<'PY'
+run() {  # run NAME [ENV=VALUE ...]: the tuned job, timed from process start to exit
+  local name=$1; shift
+  rm -rf "$W/out"
+  t0=$(date +%s.%N)
+  env "$@" python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress > "$OUT/$name.json" 2> "$OUT/$name.log"
+  rc=$?
+  wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+  python3 - "$OUT" "$name" "$wall" "$rc" "$k" "$parts" "$*" <<'PY'
 import json, pathlib, sys
-out, wall, rc, k, parts = pathlib.Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-s = json.loads(out.joinpath("run.json").read_text().strip().splitlines()[-1]) if rc == 0 else {}
-r = {"exit": rc, "engines": k, "rows_per_part": parts, "wall_s": wall,
+out, name, wall, rc, k, parts = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+s = json.loads(out.joinpath(f"{name}.json").read_text().strip().splitlines()[-1]) if rc == 0 else {}
+r = {"run": name, "env": sys.argv[7], "exit": rc, "engines": k, "rows_per_part": parts, "wall_s": wall,
      "tok_s_whole_process": round(s["tokens"] / wall) if s else None,
      **{key: s.get(key) for key in ("tokens", "seconds", "tokens_per_s", "steady_tokens_per_s",
                                      "engine_start_seconds", "tail_seconds", "window_seconds", "engine_idle_share")}}
-out.joinpath("result.json").write_text(json.dumps(r, indent=1))
+out.joinpath(f"result-{name}.json").write_text(json.dumps(r, indent=1))
 print(json.dumps(r))
 PY
-cp "$W/out/_manifest.json" "$OUT/manifest.json" 2>/dev/null  # its throughput: tok/s in 60 slices of the run
-grep -h "first engine to run out\|up: import\|imported once" "$OUT/run.log" | sed 's/.*INFO //' | head -3
+  cp "$W/out/_manifest.json" "$OUT/manifest-$name.json" 2>/dev/null  # its throughput: tok/s in 60 slices
+  grep -h "first engine to run out\|up: import\|imported once\|tokenised ahead" "$OUT/$name.log" | sed 's/.*INFO //' | head -4
+}
+run run
+# AB="ENV=VALUE ...": the same job again on the same machine with that environment (e.g.
+# AB=BATCHEMBED_TOKENIZE_AHEAD=0), to compare a switch's effect where hosts differ
+[ -n "${AB:-}" ] && run run-b $AB
 rm -rf "$W"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
