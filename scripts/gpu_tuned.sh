@@ -34,18 +34,38 @@ print(j['engine']['data_parallel'], j.get('output', {}).get('rows_per_part', 'de
 run() {  # run NAME [ENV=VALUE ...]: the tuned job, timed from process start to exit
   local name=$1; shift
   rm -rf "$W/out"
+  # once a second: the host's CPU counters (/proc/stat) and the GPU's busy %, for how many cores
+  # and how much of the GPU the run kept busy
+  (while :; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; sleep 1; done) > "$OUT/$name-cpu.txt" &
+  local cpu=$!
+  nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 1000 > "$OUT/$name-gpu.csv" 2>&1 &
+  local smi=$!
   t0=$(date +%s.%N)
   env "$@" python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress > "$OUT/$name.json" 2> "$OUT/$name.log"
   rc=$?
   wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+  kill $cpu $smi 2>/dev/null; wait $cpu $smi 2>/dev/null
   python3 - "$OUT" "$name" "$wall" "$rc" "$k" "$parts" "$*" <<'PY'
-import json, pathlib, sys
+import json, os, pathlib, sys
 out, name, wall, rc, k, parts = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 s = json.loads(out.joinpath(f"{name}.json").read_text().strip().splitlines()[-1]) if rc == 0 else {}
 r = {"run": name, "env": sys.argv[7], "exit": rc, "engines": k, "rows_per_part": parts, "wall_s": wall,
      "tok_s_whole_process": round(s["tokens"] / wall) if s else None,
      **{key: s.get(key) for key in ("tokens", "seconds", "tokens_per_s", "steady_tokens_per_s",
                                      "engine_start_seconds", "tail_seconds", "window_seconds", "engine_idle_share")}}
+# busy cores over the run's middle (its second and third quarters: all engines running)
+rows = [line.split() for line in out.joinpath(f"{name}-cpu.txt").read_text().splitlines()]
+rows = [(float(x[0]), [int(v) for v in x[2:]]) for x in rows if len(x) > 6]
+if len(rows) > 8:
+    (t0, a), (t1, b) = rows[len(rows) // 4], rows[3 * len(rows) // 4]
+    d = [y - x for x, y in zip(a, b)]
+    idle = d[3] + d[4]  # idle, iowait
+    r["busy_cores_mid_run"] = round(os.cpu_count() * (sum(d) - idle) / max(sum(d), 1), 1)
+gpu = [line.split(",")[-1].strip() for line in out.joinpath(f"{name}-gpu.csv").read_text().splitlines()]
+gpu = [int(g) for g in gpu if g.isdigit()]
+if len(gpu) > 8:
+    mid = gpu[len(gpu) // 4: 3 * len(gpu) // 4]
+    r["gpu_busy_pct_mid_run"] = round(sum(mid) / len(mid), 1)
 out.joinpath(f"result-{name}.json").write_text(json.dumps(r, indent=1))
 print(json.dumps(r))
 PY
