@@ -17,8 +17,10 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -68,13 +70,34 @@ class _Tasks:
 
 
 def _die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when its parent dies, so a killed run leaves no engine behind."""
+    """Linux: this worker gets SIGKILL when its parent (the forkserver) dies."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - elsewhere the worker ends when its queue does
+    except Exception:  # noqa: BLE001 - elsewhere the worker ends with the run (below)
         pass
+
+
+def _die_with_run(run_pid: int) -> None:
+    """This engine process ends when the run's process does, even killed outright (SIGKILL, the OOM
+    killer): its parent is the forkserver, which outlives the run while any engine process lives,
+    and an engine process waiting for its next part from a dead run would wait for ever, holding
+    its GPU memory. A thread waits on the run's pidfd (Linux 5.3+), and ends this process at
+    once if it is already gone (the forkserver may fork it after the run died, once its import is
+    done). Its own engine's processes die with it (procguard)."""
+    try:
+        fd = os.pidfd_open(run_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # not Linux, or an old kernel: the run's own end stops it
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="batchembed-run-watch", daemon=True).start()
 
 
 # Engines start at the same moment unless this is set: then one at a time (a file lock),
@@ -111,8 +134,9 @@ def _share_cores(replicas: int) -> None:
 
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
-            start_lock: str, stop, spawned_at: float, reference, ahead) -> None:
+            start_lock: str, stop, spawned_at: float, reference, ahead, run_pid: int) -> None:
     _die_with_parent()
+    _die_with_run(run_pid)
     interrupts.ignore()
     _isolate(replica, os.path.dirname(start_lock))
     _share_cores(replicas)
@@ -257,7 +281,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
                         args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
                               time.time(), reference.file() if reference else None,
-                              ahead.folder if ahead else None))
+                              ahead.folder if ahead else None, os.getpid()))
         w.start()
         return w
 
