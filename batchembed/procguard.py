@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -23,11 +24,12 @@ ENV = "BATCHEMBED_ENGINE_PROCESS"
 
 
 @contextlib.contextmanager
-def starting(extra: dict[str, str] | None = None):
+def starting(extra: dict[str, str] | None = None, die_with_parent: bool = True):
     """Set, while processes are started in the block, what makes them run guard(), with `extra`
-    environment beside it; restored after. Also for other processes of a run (fidelity.py)."""
+    environment beside it; restored after. `die_with_parent=False`: signals blocked only (the
+    process watches the run itself: exit_with)."""
     main = threading.current_thread() is threading.main_thread()
-    env = {**(extra or {}), ENV: "die-with-parent" if main else "1"}
+    env = {**(extra or {}), ENV: "die-with-parent" if main and die_with_parent else "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -44,11 +46,25 @@ def helper(function: str, folder: str) -> subprocess.Popen:
     """A helper process of the run: a new interpreter that runs `function` ("module:name") on
     `folder`, its only way to and from the run. A new interpreter, not multiprocessing's spawn,
     which would run the caller's main module again (a user's script without a main guard would
-    start its job twice). Ctrl-C is the run's to handle; it dies with the starting thread."""
+    start its job twice). Ctrl-C is the run's to handle. If the run's process ends without
+    closing it (killed outright), it removes `folder` and ends (exit_with)."""
+    code = "import sys; from batchembed.procguard import _serve; _serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
+    with starting(die_with_parent=False):
+        return subprocess.Popen([sys.executable, "-c", code, function, folder, str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def _serve(function: str, folder: str, run_pid: int) -> None:
+    """A helper's life: `function(folder)`, then wait to be ended by the run (end()); if the run's
+    process ends first, killed outright, remove the folder and end."""
+    import importlib
+    import shutil
+
+    watching = exit_with(run_pid, lambda: shutil.rmtree(folder, ignore_errors=True))
     module, name = function.split(":")
-    with starting():
-        return subprocess.Popen([sys.executable, "-c", f"import sys; from {module} import {name}; {name}(sys.argv[1])",
-                                 folder], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    getattr(importlib.import_module(module), name)(folder)
+    if watching:
+        threading.Event().wait()
 
 
 def end(process: subprocess.Popen) -> None:
@@ -56,6 +72,36 @@ def end(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.kill()
     process.wait(timeout=10)
+
+
+def exit_with(run_pid: int, cleanup=None) -> bool:
+    """End this process (after `cleanup()`) as soon as the run's process `run_pid` ends, even
+    killed outright, or at once if it has ended already: a thread waits on its pidfd (Linux
+    5.3+), and True. Elsewhere (False) the process gets SIGKILL when its parent dies, with no
+    cleanup."""
+    def finish() -> None:
+        if cleanup is not None:
+            with contextlib.suppress(Exception):
+                cleanup()
+        os._exit(1)
+
+    try:
+        fd = os.pidfd_open(run_pid)
+    except ProcessLookupError:
+        finish()
+    except (AttributeError, OSError):  # not Linux, or an old kernel
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        return False
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        finish()
+
+    threading.Thread(target=watch, name="batchembed-run-watch", daemon=True).start()
+    return True
 
 
 def guard() -> None:

@@ -216,14 +216,17 @@ def test_engine_processes_do_not_outlive_a_data_parallel_run_killed_outright(tmp
                   row_group_size=40)
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
                    engine={"data_parallel": 2, "sort_window_rows": 40}, fidelity_check="off")
-    proc = start_run(tmp_path, job)
+    (tmp_path / "tmp").mkdir()
+    proc = start_run(tmp_path, job, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert len(engine_processes(proc.pid)) == 2
+    assert list((tmp_path / "tmp").glob("batchembed-ahead-*"))  # the helper that tokenises ahead
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and group_alive(proc.pid):
         time.sleep(0.2)
     assert group_alive(proc.pid) == [], "processes of the run outlived it"
+    assert not list((tmp_path / "tmp").glob("batchembed-ahead-*")), "the helper left its folder behind"
 
 
 def test_with_two_engines_a_killed_engine_process_is_replaced_and_its_parts_redone(tmp_path):

@@ -17,15 +17,13 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import select
 import signal
 import tempfile
-import threading
 import time
 import traceback
 from typing import TYPE_CHECKING
 
-from .. import interrupts
+from .. import interrupts, procguard
 from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
 from ..pipeline.ahead import start_ahead
@@ -79,27 +77,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _die_with_run(run_pid: int) -> None:
-    """This engine process ends when the run's process does, even killed outright (SIGKILL, the OOM
-    killer): its parent is the forkserver, which outlives the run while any engine process lives,
-    and an engine process waiting for its next part from a dead run would wait for ever, holding
-    its GPU memory. A thread waits on the run's pidfd (Linux 5.3+), and ends this process at
-    once if it is already gone (the forkserver may fork it after the run died, once its import is
-    done). Its own engine's processes die with it (procguard)."""
-    try:
-        fd = os.pidfd_open(run_pid)
-    except ProcessLookupError:
-        os._exit(1)
-    except (AttributeError, OSError):  # not Linux, or an old kernel: the run's own end stops it
-        return
-
-    def watch() -> None:
-        select.select([fd], [], [])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="batchembed-run-watch", daemon=True).start()
-
-
 # Engines start at the same moment unless this is set: then one at a time (a file lock),
 # which costs K times the start-up but rules start-up races out.
 SERIAL_START_ENV = "BATCHEMBED_SERIAL_START"
@@ -136,7 +113,10 @@ def _share_cores(replicas: int) -> None:
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
             start_lock: str, stop, spawned_at: float, reference, ahead, run_pid: int) -> None:
     _die_with_parent()
-    _die_with_run(run_pid)
+    # its parent is the forkserver, which outlives the run while any engine process lives: a
+    # process waiting for its next part from a run killed outright would wait for ever, holding
+    # its GPU memory (and it may be forked after the run died, once the forkserver's import is done)
+    procguard.exit_with(run_pid)
     interrupts.ignore()
     _isolate(replica, os.path.dirname(start_lock))
     _share_cores(replicas)

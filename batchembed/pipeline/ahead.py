@@ -131,7 +131,8 @@ def start_ahead(p: Prepared, tasks: list[Task]) -> TokenizeAhead | None:
 
 def _ahead_process(folder: str) -> None:
     """The helper: tokenise the parts of folder/job.json, in its order, into the folder, until
-    done or MAX_BYTES; a failure ends it quietly (error.txt) and the readers tokenise the rest."""
+    done or the budget is spent (then `done`); a failure stops it quietly (error.txt) and the
+    readers tokenise the rest."""
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # threads started from here inherit it
     logging.disable(logging.WARNING)
     ahead = AheadFolder(folder)
@@ -155,7 +156,8 @@ def _ahead_process(folder: str) -> None:
                 batch, texts, _ = select_rows(p.spec.input, batch)
                 budget -= ahead.save(part_id, k, reader.plan(batch, texts, None))
                 if budget <= 0:
-                    return
+                    raise RuntimeError("its folder reached its size limit")
     except BaseException as e:  # noqa: BLE001 - the readers tokenise what is not here
         with open(os.path.join(folder, "error.txt"), "w", encoding="utf-8") as f:
             f.write(f"{type(e).__name__}: {e}")
+    open(os.path.join(folder, "done"), "wb").close()  # then it waits for the run to end it (procguard)
