@@ -27,13 +27,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import interrupts, procguard
+from . import interrupts, procguard, scratch
 from .embed.batcher import embed_isolating
 from .embed.tokenizer import Tokenizer
 from .errors import RunError
@@ -111,7 +110,7 @@ class Reference(ReferenceFile):
     the end."""
 
     def __init__(self, model_path: str, max_length: int, prefix: str, texts: list[str]):
-        super().__init__(tempfile.mkdtemp(prefix="batchembed-fidelity-"))
+        super().__init__(scratch.folder("fidelity"))
         try:
             with open(self._path("texts.json"), "w", encoding="utf-8") as f:
                 json.dump(texts, f)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import signal
+import tempfile
 import threading
 import time
 
-from . import __version__, calibration, fidelity, interrupts
+from . import __version__, calibration, fidelity, interrupts, scratch
 from .config import JobSpec
 from .embed.matryoshka import column_names
 from .embed.vectors import PACKED, SCALAR
@@ -119,6 +120,9 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
                        "run --overwrite once unsharded, or write to a new output.uri")
     from .executors.processes import forkserver_ahead
 
+    swept = scratch.sweep()  # what runs killed outright left in the temp folder
+    if swept:
+        log.info("removed %d scratch file(s) left in %s by runs that were killed", swept, tempfile.gettempdir())
     # vLLM's import for engine processes starts now, while this process plans
     with forkserver_ahead(spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None):
         return _run_job(spec, engine, overwrite, show_progress, started)

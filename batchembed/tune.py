@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import scratch
 from .config import JobSpec
 from .errors import JobError
 from .job import Prepared, prepare
@@ -108,7 +108,7 @@ def tune(spec: JobSpec, engines: list[int], rows: int,
     job's whole plan (for tuned_rows_per_part)."""
     if spec.executor != "local":
         raise JobError("tune: measures engine.data_parallel on this machine; set executor: local")
-    work = Path(workdir or tempfile.mkdtemp(prefix="batchembed-tune-"))
+    work = Path(workdir or scratch.folder("tune"))
     try:
         p = prepare(spec, check_output=False, warn=False)
         taken = sample_corpus(p, rows, work / "sample", parts=4 * max(engines))

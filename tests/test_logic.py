@@ -128,3 +128,32 @@ def test_resume_state_keeps_current_parts_redoes_changed_ones_and_refuses_anothe
     assert folder.state(v2, job, []).done == {}
     with pytest.raises(JobError, match=r"different job \(model_hash: 'm' there, 'other' now"):
         folder.state(v2, {**job, "model_hash": "other", "digest": "d2"}, [])
+
+
+def test_scratch_left_by_a_dead_process_is_swept_and_the_rest_kept(tmp_path, monkeypatch):
+    # what a run killed outright leaves in the temp folder goes when a later run starts
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from batchembed import scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    old = time.time() - 2 * scratch.STALE_SECONDS
+    (tmp_path / f"batchembed-{dead}-abc.parquet").write_bytes(b"x")
+    (tmp_path / f"batchembed-{dead}-ahead-xyz").mkdir()
+    (tmp_path / f"batchembed-{dead}-ahead-xyz" / "0.npz").write_bytes(b"x")
+    (tmp_path / f"batchembed-{dead}-recent.parquet").write_bytes(b"x")  # untouched for less than an hour
+    mine = scratch.file(".parquet")  # this process's, alive
+    (tmp_path / "batchembed-abc.parquet").write_bytes(b"x")  # not a scratch name
+    (tmp_path / "other").write_bytes(b"x")
+    for name in (f"batchembed-{dead}-abc.parquet", f"batchembed-{dead}-ahead-xyz", os.path.basename(mine),
+                 "batchembed-abc.parquet", "other"):
+        os.utime(tmp_path / name, (old, old))
+    assert scratch.sweep() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["batchembed-abc.parquet", "other", f"batchembed-{dead}-recent.parquet", os.path.basename(mine)])

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING
 
-from .. import interrupts, procguard
+from .. import interrupts, procguard, scratch
 from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
 from ..pipeline.ahead import start_ahead
@@ -239,7 +239,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     results_q = ctx.Queue()
     answers = [ctx.Queue() for _ in range(replicas)]  # part ids (or None) to each worker
     stop = _Flag(ctx)  # set by any worker's failure, or by us
-    workdir = tempfile.TemporaryDirectory(prefix="batchembed-engines-")
+    workdir = tempfile.TemporaryDirectory(prefix=scratch.prefix("engines"))
     start_lock = os.path.join(workdir.name, "start.lock")
     open(start_lock, "wb").close()
     # the largest parts first, the smallest last: the engines run out of work at nearly the same

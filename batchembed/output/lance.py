@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ try:
 except ImportError:  # older pylance: told by its message
     _CONFLICT = ()
 
+from .. import scratch
 from ..errors import RunError
 from ..storage import full_url, is_local, retry
 from .base import copy_rows
@@ -79,8 +79,7 @@ class LancePartWriter:
     """Rows of one part, streamed to a local Arrow IPC file (memory stays flat)."""
 
     def __init__(self, schema: pa.Schema, compression: str):
-        fd, self.local_path = tempfile.mkstemp(prefix="batchembed-", suffix=".arrow")
-        os.close(fd)
+        self.local_path = scratch.file(".arrow")
         self.schema = schema
         self._sink = pa.OSFile(self.local_path, "wb")
         self._writer = pa.ipc.new_file(self._sink, schema)

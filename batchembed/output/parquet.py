@@ -12,14 +12,14 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .. import scratch
 from ..storage import full_url, is_local, put_file_atomic, remove, retry
 from .base import copy_rows
 
 
 class ParquetPartWriter:
     def __init__(self, schema: pa.Schema, compression: str):
-        fd, self.local_path = tempfile.mkstemp(prefix="batchembed-", suffix=".parquet")
-        os.close(fd)
+        self.local_path = scratch.file(".parquet")
         self.schema = schema
         self._writer = pq.ParquetWriter(self.local_path, schema,
                                         compression=None if compression == "none" else compression)
@@ -96,7 +96,7 @@ class ParquetOutput:
         elif same_fs:
             retry(lambda: dst.fs.copy(a, b), full_url(dst.fs, b))
         else:
-            with tempfile.TemporaryDirectory() as d:
+            with tempfile.TemporaryDirectory(prefix=scratch.prefix("copy")) as d:
                 retry(lambda: src.fs.get_file(a, f"{d}/part"), full_url(src.fs, a))
                 put_file_atomic(dst.fs, f"{d}/part", b)
 

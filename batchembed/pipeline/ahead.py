@@ -24,12 +24,11 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import procguard
+from .. import procguard, scratch
 from ..embed.tokenizer import Tokenized
 from ..inputs.rows import select_rows
 from .read import ReadStage
@@ -99,7 +98,7 @@ class TokenizeAhead:
     """The helper process and its folder, owned by the run's process: close() ends both."""
 
     def __init__(self, p: Prepared, tasks: list[Task]):
-        self.folder = AheadFolder(tempfile.mkdtemp(prefix="batchembed-ahead-"))
+        self.folder = AheadFolder(scratch.folder("ahead"))
         try:
             with open(os.path.join(self.folder.folder, "job.json"), "w", encoding="utf-8") as f:
                 json.dump({"spec": p.spec.model_dump(mode="json"), "parts": [t.part_id for t in tasks]}, f)
