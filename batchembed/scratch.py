@@ -1,5 +1,5 @@
 """A run's local scratch files: parts staged before they are published (output/), the helpers'
-folders (fidelity.py, pipeline/ahead.py), the engine processes' sockets (executors/processes.py),
+folder (fidelity.py), the engine processes' sockets (executors/processes.py),
 tune's sample outputs. Each is named after the process that made it, so that what a run killed
 outright leaves behind (it cannot clean up after itself) is removed by a later run on the
 machine: sweep(), as every run starts."""

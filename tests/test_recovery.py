@@ -209,24 +209,25 @@ def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
 
 def test_engine_processes_do_not_outlive_a_data_parallel_run_killed_outright(tmp_path):
     """SIGKILL of the batchembed process alone, with two engine processes at work: their parent is
-    the forkserver, which lives while they do, and each would wait for its next part for ever."""
+    the forkserver, which lives while they do, and each would wait for its next part for ever;
+    the fidelity reference's process removes its folder as it ends."""
     ids = list(range(480))
     write_parquet(tmp_path / "in" / "docs.parquet",
                   {"id": ids, "text": [f"row {i}: " + "an orphaned engine process " * (i % 4 + 3) for i in ids]},
                   row_group_size=40)
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40},
-                   engine={"data_parallel": 2, "sort_window_rows": 40}, fidelity_check="off")
+                   engine={"data_parallel": 2, "sort_window_rows": 40})
     (tmp_path / "tmp").mkdir()
     proc = start_run(tmp_path, job, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert len(engine_processes(proc.pid)) == 2
-    assert list((tmp_path / "tmp").glob("batchembed-ahead-*"))  # the helper that tokenises ahead
+    assert list((tmp_path / "tmp").glob("batchembed-*-fidelity-*"))  # the fidelity reference's process
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and group_alive(proc.pid):
         time.sleep(0.2)
     assert group_alive(proc.pid) == [], "processes of the run outlived it"
-    assert not list((tmp_path / "tmp").glob("batchembed-ahead-*")), "the helper left its folder behind"
+    assert not list((tmp_path / "tmp").glob("batchembed-*-fidelity-*")), "the helper left its folder behind"
 
 
 def test_with_two_engines_a_killed_engine_process_is_replaced_and_its_parts_redone(tmp_path):

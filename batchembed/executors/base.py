@@ -82,13 +82,13 @@ class Worker:
     places it) and closed by close()."""
 
     def __init__(self, p: Prepared, engine=None, replica: int = 0, replicas: int = 1, start_lock=None,
-                 reference: fidelity.ReferenceFile | None = None, ahead=None):
+                 reference: fidelity.ReferenceFile | None = None):
         self.p, self.given, self.replica, self.replicas = p, engine, replica, replicas
         self.start_lock, self.reference = start_lock, reference
         self.own = None
         self.start_seconds: float | None = None
         self.restarts = 0
-        self.pipeline = Pipeline(p, self._engine, self._replace, ahead)
+        self.pipeline = Pipeline(p, self._engine, self._replace)
 
     def _engine(self):
         t0 = time.perf_counter()

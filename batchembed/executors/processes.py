@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from .. import interrupts, procguard, scratch
 from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
-from ..pipeline.ahead import start_ahead
 from ..stats import RunResult, WorkerReport, combine
 
 if TYPE_CHECKING:
@@ -111,7 +110,7 @@ def _share_cores(replicas: int) -> None:
 
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
-            start_lock: str, stop, spawned_at: float, reference, ahead, run_pid: int) -> None:
+            start_lock: str, stop, spawned_at: float, reference, run_pid: int) -> None:
     _die_with_parent()
     # its parent is the forkserver, which outlives the run while any engine process lives: a
     # process waiting for its next part from a run killed outright would wait for ever, holding
@@ -136,7 +135,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
 
         log.info("engine process %d: %.1f s from its start to its plan (vLLM imported once for all engines "
                  "in %.1f s)", replica, time.time() - spawned_at, preload.IMPORT_SECONDS)
-        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference, ahead=ahead)
+        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference)
         try:
             worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
                        lambda step: results_q.put(("progress", replica, step)), stop)
@@ -251,17 +250,13 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     by_id = {t.part_id: t for t in pending}
     spec = p.spec.model_dump(mode="json")
     level = logging.getLogger("batchembed").getEffectiveLevel()
-    # the parts in the order the engines will take them, tokenised on idle cores while vLLM
-    # imports and the engines build (pipeline/ahead.py)
-    ahead = start_ahead(p, [by_id[x] for x in reversed(todo)])
 
     def start(i: int):
         global _engines_started
         _engines_started = True
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
                         args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
-                              time.time(), reference.file() if reference else None,
-                              ahead.folder if ahead else None, os.getpid()))
+                              time.time(), reference.file() if reference else None, os.getpid()))
         w.start()
         return w
 
@@ -330,6 +325,4 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
                 w.join(timeout=10)
         with contextlib.suppress(OSError):
             workdir.cleanup()
-        if ahead is not None:
-            ahead.close()
     return combine(reports, time.perf_counter() - t0), error

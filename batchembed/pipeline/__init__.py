@@ -32,12 +32,11 @@ __all__ = ["Pipeline", "name_os_thread"]
 
 
 class Pipeline:
-    def __init__(self, p: Prepared, engine_source: Callable[[], object], replace_engine=None, ahead=None):
+    def __init__(self, p: Prepared, engine_source: Callable[[], object], replace_engine=None):
         """`engine_source()` gives the engine, when the embedding stage first wants it (embed.py);
-        `replace_engine(engine, failure)` one for an engine that died or hung (embed.py); `ahead`:
-        where windows tokenised ahead wait (ahead.py), if anywhere."""
+        `replace_engine(engine, failure)` one for an engine that died or hung (embed.py)."""
         self.p = p
-        self.reader = ReadStage(p, ahead)
+        self.reader = ReadStage(p)
         self.embedder = EmbedStage(p, engine_source, replace_engine)
         self.writer = WriteStage(p)
         self.records: dict[str, dict] = {}  # part name -> commit record, over every run
@@ -101,10 +100,8 @@ class Pipeline:
         busy = sum(t1 - t0 for t0, t1, _ in calls)
         log.info("engine thread, from its first window to its end (%.1f s): engine busy %.1f s over %d "
                  "windows, idle %.1f s (of which %.1f s waiting for tokenised windows, over the pipeline's "
-                 "life); %.1f s waiting for the writer%s", span, busy, len(calls), max(0.0, span - busy),
-                 e.input_wait_seconds, e.output_wait_seconds,
-                 f"; {self.reader.windows_ahead} of {self.reader.windows} windows were tokenised ahead"
-                 if self.reader.ahead is not None else "")
+                 "life); %.1f s waiting for the writer", span, busy, len(calls), max(0.0, span - busy),
+                 e.input_wait_seconds, e.output_wait_seconds)
 
 
 class _Watched:

@@ -27,12 +27,9 @@ log = logging.getLogger(__name__)
 
 
 class ReadStage:
-    def __init__(self, p: Prepared, ahead=None):
-        """`ahead`: where windows tokenised ahead wait (ahead.AheadFolder), if anywhere."""
+    def __init__(self, p: Prepared):
         self.p = p
         self.tokenizer = p.tokenizer()
-        self.ahead = ahead
-        self.windows = self.windows_ahead = 0  # windows made, and of them tokenised ahead
 
     def run(self, tasks, q_in: queue.Queue, stop) -> None:
         """Every task of `tasks` (get_nowait until queue.Empty) onto q_in as windows, then END."""
@@ -50,18 +47,14 @@ class ReadStage:
         p = self.p
         policy = storage.policy
         prev = p.previous if p.previous is not None and p.previous.usable else None
-        ahead = self.ahead if p.previous is None else None
-        if ahead is not None:
-            ahead.take(task.part_id)
         for attempt in range(1, policy.attempts + 1):
             sent = False
             index = None
             try:
                 index = TaskIndex(prev, task) if prev is not None else None
-                for k, batch in enumerate(p.iter_batches(task, p.spec.engine.sort_window_rows)):
+                for batch in p.iter_batches(task, p.spec.engine.sort_window_rows):
                     batch, texts, dropped = select_rows(p.spec.input, batch)
-                    ready = (lambda uniq, k=k: ahead.load(task.part_id, k, uniq)) if ahead is not None else None
-                    window = self.plan(batch, texts, index, ready)
+                    window = self.plan(batch, texts, index)
                     window.filtered = dropped
                     if not put(q_in, (task, batch, window), stop):
                         return False
@@ -88,10 +81,8 @@ class ReadStage:
                     index.close()
         return False
 
-    def plan(self, batch: pa.RecordBatch, texts: list[str | None], index: TaskIndex | None,
-             ready=None) -> Window:
-        """Which rows of a window reuse a previous vector, and the unique texts left to embed.
-        `ready(uniq)`: their token ids if tokenised ahead (ahead.py), else None."""
+    def plan(self, batch: pa.RecordBatch, texts: list[str | None], index: TaskIndex | None) -> Window:
+        """Which rows of a window reuse a previous vector, and the unique texts left to embed."""
         valid = np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts))
         hashes = text_hashes(texts)
         reuse = np.zeros(len(texts), dtype=bool)
@@ -103,12 +94,7 @@ class ReadStage:
             reused = index.vectors(pos[reuse], self.p.dimensions)
         need = np.flatnonzero(valid & ~reuse)
         uniq, first, inverse = np.unique(hashes[need], return_index=True, return_inverse=True)
-        tok = ready(uniq) if ready is not None else None
-        self.windows += 1
-        if tok is None:
-            tok = self.tokenizer([texts[i] for i in need[first]])
-        else:
-            self.windows_ahead += 1
+        tok = self.tokenizer([texts[i] for i in need[first]])
         inverse = inverse.reshape(-1)
         chunked = 0
         if tok.chunks:
