@@ -74,7 +74,7 @@ PY
 }
 run run
 # AB="ENV=VALUE ...": the same job again on the same machine with that environment (e.g.
-# AB=BATCHEMBED_TOKENIZE_AHEAD=0), to compare a switch's effect where hosts differ
+# AB=BATCHEMBED_SERIAL_START=1), to compare a switch's effect where hosts differ
 [ -n "${AB:-}" ] && run run-b $AB
 rm -rf "$W"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
