@@ -54,6 +54,17 @@ def helper(function: str, folder: str) -> subprocess.Popen:
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
+# what a helper becomes once its work is done: a bare interpreter in its place (its memory, a
+# model's, goes back) that removes the folder if the run's process ends without closing it
+_WAITER = """import os, select, shutil, sys
+try:
+    select.select([os.pidfd_open(int(sys.argv[2]))], [], [])
+except ProcessLookupError:
+    pass
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
 def _serve(function: str, folder: str, run_pid: int) -> None:
     """A helper's life: `function(folder)`, then wait to be ended by the run (end()); if the run's
     process ends first, killed outright, remove the folder and end."""
@@ -63,8 +74,8 @@ def _serve(function: str, folder: str, run_pid: int) -> None:
     watching = exit_with(run_pid, lambda: shutil.rmtree(folder, ignore_errors=True))
     module, name = function.split(":")
     getattr(importlib.import_module(module), name)(folder)
-    if watching:
-        threading.Event().wait()
+    if watching:  # signals stay blocked across exec
+        os.execv(sys.executable, [sys.executable, "-S", "-c", _WAITER, folder, str(run_pid)])
 
 
 def end(process: subprocess.Popen) -> None:

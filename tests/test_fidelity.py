@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -91,6 +92,15 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
     ok = Reference(str(model_info.path), model_info.max_length, "", texts)
     try:
         got, vectors = ok.result()
+        # its work done, the process gives its memory back: a bare interpreter takes its place,
+        # which only waits for the run (procguard._serve)
+        deadline = time.monotonic() + 20
+        while b"pidfd_open" not in open(f"/proc/{ok.process.pid}/cmdline", "rb").read():
+            assert time.monotonic() < deadline and ok.process.poll() is None
+            time.sleep(0.1)
+        with open(f"/proc/{ok.process.pid}/status") as status:
+            rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        assert rss_kb < 100_000
     finally:
         ok.close()
     want = st_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
