@@ -101,10 +101,7 @@ def exit_with(run_pid: int, cleanup=None) -> bool:
     except ProcessLookupError:
         finish()
     except (AttributeError, OSError):  # not Linux, or an old kernel
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        die_with_parent()
         return False
 
     def watch() -> None:
@@ -115,17 +112,24 @@ def exit_with(run_pid: int, cleanup=None) -> bool:
     return True
 
 
+def die_with_parent() -> bool:
+    """This process gets SIGKILL when the thread that started it ends (Linux's PR_SET_PDEATHSIG);
+    False where that cannot be had."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def guard() -> None:
     mode = os.environ.get(ENV)
     if not mode:
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     if mode == "die-with-parent":
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
+        if not die_with_parent():
             return
         if os.getppid() == 1:  # the parent was gone before that took effect
             os._exit(1)

@@ -66,16 +66,6 @@ class _Tasks:
         return task
 
 
-def _die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when its parent (the forkserver) dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - elsewhere the worker ends with the run (below)
-        pass
-
-
 # Engines start at the same moment unless this is set: then one at a time (a file lock),
 # which costs K times the start-up but rules start-up races out.
 SERIAL_START_ENV = "BATCHEMBED_SERIAL_START"
@@ -111,7 +101,7 @@ def _share_cores(replicas: int) -> None:
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
             start_lock: str, stop, spawned_at: float, reference, run_pid: int) -> None:
-    _die_with_parent()
+    procguard.die_with_parent()  # with the forkserver
     # its parent is the forkserver, which outlives the run while any engine process lives: a
     # process waiting for its next part from a run killed outright would wait for ever, holding
     # its GPU memory (and it may be forked after the run died, once the forkserver's import is done)
