@@ -105,7 +105,7 @@ class ReferenceFile:
 class Reference(ReferenceFile):
     """sentence-transformers' vectors for the sample, computed in a process of its own
     (procguard.helper: a script without an `if __name__ == "__main__"` guard worked before the
-    reference had a process, and must still), whose memory is returned when it ends. Owned by the
+    reference had a process, and must still), whose memory is returned once it has its result. Owned by the
     process that runs the job, which calls watch() while engine processes wait, and close() at
     the end."""
 

@@ -24,12 +24,12 @@ ENV = "BATCHEMBED_ENGINE_PROCESS"
 
 
 @contextlib.contextmanager
-def starting(extra: dict[str, str] | None = None, die_with_parent: bool = True):
+def starting(extra: dict[str, str] | None = None, with_parent: bool = True):
     """Set, while processes are started in the block, what makes them run guard(), with `extra`
-    environment beside it; restored after. `die_with_parent=False`: signals blocked only (the
-    process watches the run itself: exit_with)."""
+    environment beside it; restored after. `with_parent=False`: signals blocked only, no
+    die_with_parent() (the process watches the run itself: exit_with)."""
     main = threading.current_thread() is threading.main_thread()
-    env = {**(extra or {}), ENV: "die-with-parent" if main and die_with_parent else "1"}
+    env = {**(extra or {}), ENV: "die-with-parent" if main and with_parent else "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -49,20 +49,16 @@ def helper(function: str, folder: str) -> subprocess.Popen:
     start its job twice). Ctrl-C is the run's to handle. If the run's process ends without
     closing it (killed outright), it removes `folder` and ends (exit_with)."""
     code = "import sys; from batchembed.procguard import _serve; _serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
-    with starting(die_with_parent=False):
+    with starting(with_parent=False):
         return subprocess.Popen([sys.executable, "-c", code, function, folder, str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
 # what a helper becomes once its work is done: a bare interpreter in its place (its memory, a
-# model's, goes back) that removes the folder if the run's process ends without closing it
-_WAITER = """import os, select, shutil, sys
-try:
-    select.select([os.pidfd_open(int(sys.argv[2]))], [], [])
-except ProcessLookupError:
-    pass
-shutil.rmtree(sys.argv[1], ignore_errors=True)
-"""
+# model's, goes back) that only waits, removing the folder if the run's process ends first
+_WAITER = ("import shutil, sys, threading; from batchembed.procguard import exit_with; "
+           "exit_with(int(sys.argv[2]), lambda: shutil.rmtree(sys.argv[1], ignore_errors=True)); "
+           "threading.Event().wait()")
 
 
 def _serve(function: str, folder: str, run_pid: int) -> None:
@@ -75,7 +71,7 @@ def _serve(function: str, folder: str, run_pid: int) -> None:
     module, name = function.split(":")
     getattr(importlib.import_module(module), name)(folder)
     if watching:  # signals stay blocked across exec
-        os.execv(sys.executable, [sys.executable, "-S", "-c", _WAITER, folder, str(run_pid)])
+        os.execv(sys.executable, [sys.executable, "-c", _WAITER, folder, str(run_pid)])
 
 
 def end(process: subprocess.Popen) -> None:

@@ -95,7 +95,7 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
         # its work done, the process gives its memory back: a bare interpreter takes its place,
         # which only waits for the run (procguard._serve)
         deadline = time.monotonic() + 20
-        while b"pidfd_open" not in open(f"/proc/{ok.process.pid}/cmdline", "rb").read():
+        while b"exit_with(" not in open(f"/proc/{ok.process.pid}/cmdline", "rb").read():
             assert time.monotonic() < deadline and ok.process.poll() is None
             time.sleep(0.1)
         with open(f"/proc/{ok.process.pid}/status") as status:
