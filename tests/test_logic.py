@@ -145,13 +145,13 @@ def test_scratch_left_by_a_dead_process_is_swept_and_the_rest_kept(tmp_path, mon
                           text=True).stdout.strip()
     old = time.time() - 2 * scratch.STALE_SECONDS
     (tmp_path / f"batchembed-{dead}-abc.parquet").write_bytes(b"x")
-    (tmp_path / f"batchembed-{dead}-ahead-xyz").mkdir()
-    (tmp_path / f"batchembed-{dead}-ahead-xyz" / "0.npz").write_bytes(b"x")
+    (tmp_path / f"batchembed-{dead}-fidelity-xyz").mkdir()
+    (tmp_path / f"batchembed-{dead}-fidelity-xyz" / "0.npz").write_bytes(b"x")
     (tmp_path / f"batchembed-{dead}-recent.parquet").write_bytes(b"x")  # untouched for less than an hour
     mine = scratch.file(".parquet")  # this process's, alive
     (tmp_path / "batchembed-abc.parquet").write_bytes(b"x")  # not a scratch name
     (tmp_path / "other").write_bytes(b"x")
-    for name in (f"batchembed-{dead}-abc.parquet", f"batchembed-{dead}-ahead-xyz", os.path.basename(mine),
+    for name in (f"batchembed-{dead}-abc.parquet", f"batchembed-{dead}-fidelity-xyz", os.path.basename(mine),
                  "batchembed-abc.parquet", "other"):
         os.utime(tmp_path / name, (old, old))
     assert scratch.sweep() == 2
