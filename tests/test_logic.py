@@ -157,3 +157,37 @@ def test_scratch_left_by_a_dead_process_is_swept_and_the_rest_kept(tmp_path, mon
     assert scratch.sweep() == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["batchembed-abc.parquet", "other", f"batchembed-{dead}-recent.parquet", os.path.basename(mine)])
+
+
+def test_packages_without_bytecode_are_found_and_the_run_says_how_to_compile_them(tmp_path, monkeypatch, caplog):
+    # an image without bytecode makes every run compile torch & co. while importing vLLM
+    import compileall
+    import logging
+    import os
+    import sys
+
+    from batchembed.embed import bytecode
+
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    site = tmp_path / "site"
+    pkg = site / "bcprobe"
+    pkg.mkdir(parents=True)
+    for name in ("__init__", "a", "b"):
+        (pkg / f"{name}.py").write_text(f"X = {name!r}\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert bytecode.missing(("bcprobe",)) == {"bcprobe": pkg}
+    assert compileall.compile_dir(str(pkg), quiet=1)
+    assert bytecode.missing(("bcprobe",)) == {}
+    for name in ("a", "b"):  # sources changed since: their bytecode is stale
+        (pkg / f"{name}.py").write_text("X = 'changed, longer'\n")
+        os.utime(pkg / f"{name}.py", (1, 1))
+    assert bytecode.missing(("bcprobe",)) == {"bcprobe": pkg}
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(bytecode, "_warned", False)
+    with caplog.at_level(logging.INFO, logger="batchembed"):
+        bytecode.warn_if_compiling(("bcprobe",))
+        bytecode.warn_if_compiling(("bcprobe",))  # once a process
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "PYTHONDONTWRITEBYTECODE" in warnings[0]
+    assert f"-m compileall -q -j 0 {site}`" in warnings[0]

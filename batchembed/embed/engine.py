@@ -29,6 +29,7 @@ from .. import procguard
 from ..config import EngineSpec
 from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo
+from . import bytecode
 from .watchdog import Watchdog, child_pids, kill_tree, tree
 
 log = logging.getLogger(__name__)
@@ -300,6 +301,7 @@ class Engine:
         # few light threads, and on a 2-core machine that reserve halves throughput
         # (notes/performance.md). Ignored by GPU builds.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        bytecode.warn_if_compiling()
         t0 = time.perf_counter()
         from vllm import LLM, PoolingParams
         from vllm.platforms import current_platform

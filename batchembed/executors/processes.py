@@ -24,6 +24,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from .. import interrupts, procguard, scratch
+from ..embed import bytecode
 from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
 from ..stats import RunResult, WorkerReport, combine
@@ -196,6 +197,7 @@ def forkserver_ahead(wanted: bool):
     if wanted:
         from multiprocessing import forkserver
 
+        bytecode.warn_if_compiling()
         _context()
         forkserver.ensure_running()
     try:
