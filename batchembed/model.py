@@ -33,6 +33,7 @@ class ModelInfo:
     is_matryoshka: bool
     kv_values_per_token: int | None = None  # K and V values a token keeps in all layers; None: unknown
     causal: bool = False  # a decoder (Qwen3-Embedding, e5-mistral, ...); False: an encoder (BERT-like)
+    architectures: tuple[str, ...] = ()  # config.json's, the names vLLM looks its model class up by
 
 
 DECODER_TYPES = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
@@ -147,6 +148,7 @@ def read_model_info(name: str) -> ModelInfo:
         is_matryoshka=bool(config.get("is_matryoshka") or mdims),
         kv_values_per_token=kv_values_per_token(config),
         causal=is_causal(config),
+        architectures=tuple(config.get("architectures") or ()),
     )
 
 

@@ -19,8 +19,10 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out")))
     # output to files, not pipes: vLLM's engine child can hold a pipe open after exit
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        # vLLM's cache as a fresh machine has it: empty
+        env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
         proc = subprocess.Popen([BIN, "--log-level", "debug", "run", str(job), "--set", "embedding.dimensions=[64]"],
-                                stdout=out, stderr=err, start_new_session=True)
+                                stdout=out, stderr=err, start_new_session=True, env=env)
         rc = proc.wait(timeout=300)
     stderr = (tmp_path / "stderr").read_text()
     assert rc == 0, stderr[-3000:]
@@ -32,6 +34,9 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     assert "3 rows (2 embedded, 0 duplicates, 1 null" in stderr
     assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
     assert (tmp_path / "out" / "_SUCCESS").exists()
+    # vLLM inspected the model's class in this process, not in a new interpreter importing vLLM
+    # again (that one leaves its result in the cache's modelinfos folder)
+    assert not (tmp_path / "vllm-cache" / "modelinfos").exists()
 
 
 def test_validate_and_plan_load_no_engine(tmp_path):
@@ -70,7 +75,9 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine=engine,
                                            embedding={"dimensions": [384, 64]})))
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        rc = subprocess.run([BIN, "--log-json", "run", str(job)], stdout=out, stderr=err, timeout=400).returncode
+        env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}  # empty, as on a fresh machine
+        rc = subprocess.run([BIN, "--log-json", "run", str(job)], stdout=out, stderr=err, timeout=400,
+                            env=env).returncode
     assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
     summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
     assert summary["engines"] == 2 and summary["tasks_run"] == 4
@@ -81,6 +88,7 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     # the job's warnings once, though each engine process prepares the job again
     assert sum("does not declare Matryoshka" in e["message"] for e in lines) == 1, lines
     assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in starts[0] and "engine 2/2" in starts[1]
+    assert not (tmp_path / "vllm-cache" / "modelinfos").exists()  # each engine inspected its model in place
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
     from sentence_transformers import SentenceTransformer
