@@ -11,6 +11,7 @@
 #    (scripts/fidelity_cost.py makes it, and measures the fidelity reference's cost on this
 #    CPU: OUT_DIR/fidelity-cost.txt), so the fidelity check runs with a reference that costs
 #    seconds: the benchmark models of ../shared/gpu have no modules.json and skip it.
+# 5. vLLM's import with and without bytecode, twice each (page cache warm).
 # Each writes OUT_DIR/<case>.log and .json (the run's summary); OUT_DIR/startup.md the table.
 # First, as `pip install` does, the bundle's Python files are compiled to bytecode (timed apart):
 # ../shared/gpu unpacks wheels without it, and a first import would compile vLLM and its
@@ -37,12 +38,17 @@ run() {  # run NAME [ENV=VALUE ...] [-- --set KEY=VALUE ...]
 }
 drop() { sync; if echo 3 > /proc/sys/vm/drop_caches 2> /dev/null; then echo "(page cache dropped)"; return 0; fi
          echo "(this machine does not let the page cache be dropped: cold cases skipped)"; return 1; }
+# The image's own packages (torch, transformers, sympy, ...) too, where it has no bytecode for
+# them: the run warns about that (batchembed/embed/bytecode.py), and says how to fix it.
+lacking=$(python3 -c "from batchembed.embed import bytecode; print(' '.join(sorted(bytecode.missing())))")
+folders=$(python3 -c "from batchembed.embed import bytecode; print(' '.join(sorted({str(f.parent) for f in bytecode.missing().values()})))")
 t0=$(date +%s.%N)
-python3 -m compileall -q -j 0 ~/site > /dev/null 2>&1 || true
+python3 -m compileall -q -j 0 ~/site $folders > /dev/null 2>&1 || true
 compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 {
   echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%F)"
-  echo "bytecode of ~/site compiled first, as pip install does: $compiled s (not counted below)"
+  echo "without bytecode at the start: ${lacking:-none}; PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-}"
+  echo "bytecode of ~/site $folders compiled first, as pip install does: $compiled s (not counted below)"
   run fresh
   if drop; then run cold; fi
   run six-engines -- --set engine.data_parallel=6
@@ -50,6 +56,17 @@ compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
   tail -3 "$OUT/fidelity-cost.txt"
   run qwen-st-two-engines -- --set engine.data_parallel=2 --set model.name="$W/fc/models/qwen3-0.6b" \
     --set model.max_length=512
+  # what the bytecode is worth: vLLM's import with it, and with an empty cache (PYTHONPYCACHEPREFIX),
+  # the page cache warm, twice each
+  mkdir -p "$W/nopyc"
+  for i in 1 2; do
+    for c in with without; do
+      t0=$(date +%s.%N)
+      if [ $c = with ]; then python3 -c "from vllm import LLM" 2> /dev/null
+      else PYTHONPYCACHEPREFIX="$W/nopyc" PYTHONDONTWRITEBYTECODE=1 python3 -c "from vllm import LLM" 2> /dev/null; fi
+      echo "import vLLM $c bytecode: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+    done
+  done
 } | tee "$OUT/startup.txt"
 python3 - "$OUT" <<'PY' > "$OUT/startup.md"
 import json, pathlib, sys
