@@ -52,10 +52,12 @@ compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
   run fresh
   if drop; then run cold; fi
   run six-engines -- --set engine.data_parallel=6
-  python3 scripts/fidelity_cost.py --shapes qwen3-0.6b --out "$W/fc" > "$OUT/fidelity-cost.txt" 2>&1
-  tail -3 "$OUT/fidelity-cost.txt"
-  run qwen-st-two-engines -- --set engine.data_parallel=2 --set model.name="$W/fc/models/qwen3-0.6b" \
-    --set model.max_length=512
+  if [ "${QWEN:-1}" = 1 ]; then  # QWEN=0 leaves case 4 out (device time)
+    python3 scripts/fidelity_cost.py --shapes qwen3-0.6b --out "$W/fc" > "$OUT/fidelity-cost.txt" 2>&1
+    tail -3 "$OUT/fidelity-cost.txt"
+    run qwen-st-two-engines -- --set engine.data_parallel=2 --set model.name="$W/fc/models/qwen3-0.6b" \
+      --set model.max_length=512
+  fi
   # what the bytecode is worth: vLLM's import with it, and with an empty cache (PYTHONPYCACHEPREFIX),
   # the page cache warm, twice each
   mkdir -p "$W/nopyc"
