@@ -17,6 +17,7 @@ from .embed.vectors import PACKED, SCALAR
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
 from .job import Prepared, index_column, prepare
+from .model import read_model_info
 from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
 from .plan import Task, rows_per_part_for, shard_tasks
@@ -124,8 +125,18 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if swept:
         log.info("removed %d scratch file(s) left in %s by runs that were killed", swept, tempfile.gettempdir())
     # vLLM's import for engine processes starts now, while this process plans
-    with forkserver_ahead(spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None):
+    wanted = spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None
+    with forkserver_ahead(wanted, _architectures(spec.model.name) if wanted else ()):
         return _run_job(spec, engine, overwrite, show_progress, started)
+
+
+def _architectures(model: str) -> tuple[str, ...]:
+    """The model's architectures, for the forkserver; none where the model cannot be read (the
+    job's check says why, with its exit code)."""
+    try:
+        return read_model_info(model).architectures
+    except Exception:  # noqa: BLE001 - prepare() reports it
+        return ()
 
 
 def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, started: float) -> Stats:

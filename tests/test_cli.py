@@ -37,6 +37,8 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     # vLLM inspected the model's class in this process, not in a new interpreter importing vLLM
     # again (that one leaves its result in the cache's modelinfos folder)
     assert not (tmp_path / "vllm-cache" / "modelinfos").exists()
+    assert stderr.count("vLLM inspected the model class vllm.model_executor.models.bert.BertEmbeddingModel in "
+                        "this process") == 1
 
 
 def test_validate_and_plan_load_no_engine(tmp_path):
@@ -76,7 +78,8 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
                                            embedding={"dimensions": [384, 64]})))
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}  # empty, as on a fresh machine
-        rc = subprocess.run([BIN, "--log-json", "run", str(job)], stdout=out, stderr=err, timeout=400,
+        rc = subprocess.run([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out, stderr=err,
+                            timeout=400,
                             env=env).returncode
     assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
     summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
@@ -88,7 +91,9 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     # the job's warnings once, though each engine process prepares the job again
     assert sum("does not declare Matryoshka" in e["message"] for e in lines) == 1, lines
     assert "engine 1/2 {'VLLM_CPU_OMP_THREADS_BIND'" in starts[0] and "engine 2/2" in starts[1]
-    assert not (tmp_path / "vllm-cache" / "modelinfos").exists()  # each engine inspected its model in place
+    # the forkserver inspected the model's class before forking them: no engine process did
+    assert not (tmp_path / "vllm-cache" / "modelinfos").exists()
+    assert not [e for e in lines if "inspected the model class" in e["message"]]
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
     from sentence_transformers import SentenceTransformer

@@ -283,7 +283,7 @@ def default_eager(model: ModelInfo, on_cpu: bool) -> bool:
     return on_cpu or not model.causal
 
 
-def _inspect_here(architectures) -> None:
+def inspect_here(architectures) -> None:
     """Have vLLM inspect the model's class in this process, where vLLM is imported already.
 
     Unless its cache (`~/.cache/vllm/modelinfos`) holds the class, vLLM inspects it in a new
@@ -291,17 +291,19 @@ def _inspect_here(architectures) -> None:
     vLLM again: on a fresh machine that is every run's first engine, and every engine process of
     a multi-engine run at once. It was 16 s of a fresh H200's first build (21.1 s, against 5.0 s
     with the cache warm). Registering the class object (vLLM's public `ModelRegistry.register_model`)
-    has it inspected in place. Importing a model's module touches no GPU; a vLLM whose registry
-    keeps no module and class names is left to do it its own way."""
+    has it inspected in place. Only vLLM's own model modules, which touch no GPU as they are
+    imported (the forkserver of engine processes does this too, before any fork); plugins' models,
+    and a vLLM whose registry keeps no module and class names, are left to vLLM's own way."""
     from vllm import ModelRegistry
 
     for arch in architectures:
         entry = ModelRegistry.models.get(arch)
         module, name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
-        if not (module and name):
+        if not (module and name and module.startswith("vllm.model_executor.models.")):
             continue
         try:
             ModelRegistry.register_model(arch, getattr(importlib.import_module(module), name))
+            log.debug("vLLM inspected the model class %s.%s in this process", module, name)
         except Exception as e:  # noqa: BLE001 - vLLM inspects it its own way then
             log.debug("model class %s:%s not inspected in process: %r", module, name, e)
 
@@ -330,7 +332,7 @@ class Engine:
         from vllm import LLM, PoolingParams
         from vllm.platforms import current_platform
 
-        _inspect_here(model.architectures)
+        inspect_here(model.architectures)
 
         _copy_engine_output_frames()
 

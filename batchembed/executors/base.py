@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# the model's architectures (config.json), for the forkserver of engine processes to have vLLM
+# inspect the model's class once (preload.py)
+ARCHITECTURES_ENV = "BATCHEMBED_MODEL_ARCHITECTURES"
+
 
 def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None,
                  reference: fidelity.ReferenceFile | None = None) -> Engine:

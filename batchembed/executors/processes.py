@@ -28,6 +28,7 @@ from ..embed import bytecode
 from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
 from ..stats import RunResult, WorkerReport, combine
+from .base import ARCHITECTURES_ENV
 
 if TYPE_CHECKING:
     from ..job import Prepared
@@ -187,7 +188,7 @@ _engines_started = False  # whether any engine process was forked in this proces
 
 
 @contextlib.contextmanager
-def forkserver_ahead(wanted: bool):
+def forkserver_ahead(wanted: bool, architectures=()):
     """Start the forkserver, and with it vLLM's import (about 20 s on a GPU machine), now, when the
     run will want engine processes: the run plans, reads what its output holds and copies what a
     previous output gives meanwhile. If the run ends before any engine process was started (a
@@ -198,6 +199,7 @@ def forkserver_ahead(wanted: bool):
         from multiprocessing import forkserver
 
         bytecode.warn_if_compiling()
+        os.environ[ARCHITECTURES_ENV] = ",".join(architectures)  # the forkserver inherits it
         _context()
         forkserver.ensure_running()
     try:
