@@ -140,3 +140,33 @@ def test_an_engine_starts_ahead_of_the_first_window_only_for_a_pipeline_with_a_t
     assert len(pipeline.run(tasks, lambda step: None)) == len(p.tasks)
     assert asked == [1] and fake.sequences == 20
 
+
+
+def test_an_engine_that_cannot_be_replaced_names_the_failure_it_was_to_replace(tmp_path, model_info, monkeypatch):
+    # the replacement's own error (on CPU: memory the dead in-process engine still holds) must
+    # not hide the first failure, which is the cause
+    from batchembed.errors import EngineFailure, RunError
+    from batchembed.executors import base
+
+    class Dying(FakeEngine):
+        def step(self) -> None:
+            raise EngineFailure("Unsupported attention configuration (test)")
+
+        def kill(self) -> None:
+            self.closed = True
+
+    starts = []
+
+    def start_engine(p, *args, **kwargs):
+        starts.append(p)
+        if len(starts) == 1:
+            return Dying(model_info)
+        raise RunError("the vLLM engine failed to start: ValueError: too little memory for the KV cache (test)")
+
+    monkeypatch.setattr(base, "start_engine", start_engine)
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(20)), "text": [f"row {i}" for i in range(20)]})
+    with pytest.raises(RunError) as e:
+        run_job(_job(tmp_path), show_progress=False)
+    assert len(starts) == 2
+    assert "too little memory for the KV cache (test)" in str(e.value)
+    assert "it was to replace an engine that failed: Unsupported attention configuration (test)" in str(e.value)

@@ -296,8 +296,9 @@ def inspect_here(architectures) -> None:
     and a vLLM whose registry keeps no module and class names, are left to vLLM's own way."""
     from vllm import ModelRegistry
 
-    for arch in architectures:
-        entry = ModelRegistry.models.get(arch)
+    models = getattr(ModelRegistry, "models", None)
+    for arch in architectures if isinstance(models, dict) else ():
+        entry = models.get(arch)
         module, name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
         if not (module and name and module.startswith("vllm.model_executor.models.")):
             continue

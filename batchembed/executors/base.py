@@ -118,7 +118,10 @@ class Worker:
         log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, self.restarts,
                     limit)
         t0 = time.perf_counter()
-        self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock, self.reference)
+        try:
+            self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock, self.reference)
+        except RunError as e:  # the first failure is the cause; say it, not only the new one's
+            raise RunError(f"{e}; it was to replace an engine that failed: {failure}") from e
         log.warning("engine restarted in %.1f s; the windows it had not finished go to the new one",
                     time.perf_counter() - t0)
         return self.own
