@@ -40,8 +40,8 @@ drop() { sync; if echo 3 > /proc/sys/vm/drop_caches 2> /dev/null; then echo "(pa
          echo "(this machine does not let the page cache be dropped: cold cases skipped)"; return 1; }
 # The image's own packages (torch, transformers, sympy, ...) too, where it has no bytecode for
 # them: the run warns about that (batchembed/embed/bytecode.py), and says how to fix it.
-lacking=$(python3 -c "from batchembed.embed import bytecode; print(' '.join(sorted(bytecode.missing())))")
-folders=$(python3 -c "from batchembed.embed import bytecode; print(' '.join(sorted({str(f.parent) for f in bytecode.missing().values()})))")
+{ read -r lacking; read -r folders; } < <(python3 -c "from batchembed.embed import bytecode; m = bytecode.missing()
+print(' '.join(sorted(m))); print(' '.join(sorted({str(f.parent) for f in m.values()})))")
 t0=$(date +%s.%N)
 python3 -m compileall -q -j 0 ~/site $folders > /dev/null 2>&1 || true
 compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")

@@ -70,7 +70,7 @@ out.joinpath(f"result-{name}.json").write_text(json.dumps(r, indent=1))
 print(json.dumps(r))
 PY
   cp "$W/out/_manifest.json" "$OUT/manifest-$name.json" 2>/dev/null  # its throughput: tok/s in 60 slices
-  grep -h "first engine to run out\|up: import\|imported once\|tokenised ahead" "$OUT/$name.log" | sed 's/.*INFO //' | head -4
+  grep -h "first engine to run out\|up: import\|imported once" "$OUT/$name.log" | sed 's/.*INFO //' | head -4
 }
 run run
 # AB="ENV=VALUE ...": the same job again on the same machine with that environment (e.g.
