@@ -82,3 +82,30 @@ def group_alive(pgid: int) -> list[str]:
     """Processes of a process group that are not zombies."""
     out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
     return [st for st in out if not st.startswith("Z")]
+
+
+def tiny_decoder(folder: Path) -> Path:
+    """A decoder embedder small enough for 2 cores: a Qwen3 of two layers, random weights (seed 0),
+    MiniLM's tokenizer. vLLM pools it by its last token. Attention heads of 32, the CPU backend's
+    smallest."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    from batchembed.model import resolve_model_dir
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+    cfg.architectures = ["Qwen3Model"]
+    Qwen3Model(cfg).save_pretrained(folder)
+    tokenizer = resolve_model_dir(MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, folder)
+    return folder
+

