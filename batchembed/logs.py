@@ -50,6 +50,8 @@ def setup_logging(level: str | int, as_json: bool = False, engine: int | None = 
     if level > logging.DEBUG:
         handler.addFilter(_OthersAtWarning(level))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    # vLLM logs to stdout unless told; stdout is the run's JSON summary, one line (README)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
     # Set through the environment so the engine's child processes obey it too; a
     # VLLM_LOGGING_LEVEL the user set is kept (e.g. INFO, for vLLM's start-up timings).

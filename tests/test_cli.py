@@ -29,7 +29,7 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     # the engine (in this process on CPU) is not torn down before the exit, and nothing outlives the run
     assert "engine left to the process's exit" in stderr
     assert group_alive(proc.pid) == [], "a process of the run outlived it"
-    summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
+    summary = json.loads((tmp_path / "stdout").read_text())  # stdout: the summary alone, vLLM's log on stderr
     assert summary["rows"] == 3 and summary["nulls"] == 1 and summary["tokens"] > 0
     assert "3 rows (2 embedded, 0 duplicates, 1 null" in stderr
     assert read_output(tmp_path / "out").schema.field("embedding").type.list_size == 64
@@ -82,7 +82,7 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
                             timeout=400,
                             env=env).returncode
     assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
-    summary = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])
+    summary = json.loads((tmp_path / "stdout").read_text())  # the summary alone, engine processes' vLLM too
     assert summary["engines"] == 2 and summary["tasks_run"] == 4
     lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]
     starts = {e["engine"]: e["message"] for e in lines if e["message"].startswith("starting vLLM engine")}
