@@ -10,7 +10,7 @@
 # tune writes engine.data_parallel and output.rows_per_part (about 30 parts per engine); the run uses
 # the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result-run.json,
 # manifest-run.json (its throughput: tok/s in 60 slices of the run)}, and the same for run-b with AB=
-# and OUT_DIR.tgz.
+# or AB_SET= (below), and OUT_DIR.tgz.
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
 MODEL=$2 LEN=$3 CHARS=$4 ROWS=$5 ENGINES=$6 SAMPLE=$7
@@ -31,8 +31,11 @@ echo "tune: exit $?, $(python3 -c "import time; print(round(time.time() - $t0, 1
 [ -f "$OUT/tuned.yaml" ] || { tail -20 "$OUT/tune.log"; exit 1; }
 read -r k parts < <(python3 -c "import yaml, sys; j = yaml.safe_load(open(sys.argv[1]))
 print(j['engine']['data_parallel'], j.get('output', {}).get('rows_per_part', 'default'))" "$OUT/tuned.yaml")
-run() {  # run NAME [ENV=VALUE ...]: the tuned job, timed from process start to exit
+run() {  # run NAME [ENV=VALUE ...] [-- --set KEY=VALUE ...]: the tuned job, timed from process start to exit
   local name=$1; shift
+  local envs=() sets=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  [ "${1:-}" = "--" ] && shift && sets=("$@")
   rm -rf "$W/out"
   # once a second: the host's CPU counters (/proc/stat) and the GPU's busy %, for how many cores
   # and how much of the GPU the run kept busy
@@ -41,11 +44,12 @@ run() {  # run NAME [ENV=VALUE ...]: the tuned job, timed from process start to 
   nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 1000 > "$OUT/$name-gpu.csv" 2>&1 &
   local smi=$!
   t0=$(date +%s.%N)
-  env "$@" python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress > "$OUT/$name.json" 2> "$OUT/$name.log"
+  env "${envs[@]}" python3 -m batchembed.cli run "$OUT/tuned.yaml" --no-progress "${sets[@]}" > "$OUT/$name.json" \
+    2> "$OUT/$name.log"
   rc=$?
   wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
   kill $cpu $smi 2>/dev/null; wait $cpu $smi 2>/dev/null
-  python3 - "$OUT" "$name" "$wall" "$rc" "$k" "$parts" "$*" <<'PY'
+  python3 - "$OUT" "$name" "$wall" "$rc" "$k" "$parts" "${envs[*]} ${sets[*]}" <<'PY'
 import json, os, pathlib, sys
 out, name, wall, rc, k, parts = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 s = json.loads(out.joinpath(f"{name}.json").read_text().strip().splitlines()[-1]) if rc == 0 else {}
@@ -71,10 +75,19 @@ print(json.dumps(r))
 PY
   cp "$W/out/_manifest.json" "$OUT/manifest-$name.json" 2>/dev/null  # its throughput: tok/s in 60 slices
   grep -h "first engine to run out\|up: import\|imported once" "$OUT/$name.log" | sed 's/.*INFO //' | head -4
+  # vLLM's own start-up lines, where VLLM_LOGGING_LEVEL=INFO: compiling or loading, CUDA graphs
+  grep -h "bytecode transform\|torch.compile took\|oad the compiled\|Graph capturing finished\|init engine" \
+    "$OUT/$name.log" | sed 's/.*\] //' | head -6
 }
 run run
-# AB="ENV=VALUE ...": the same job again on the same machine with that environment (e.g.
-# AB=BATCHEMBED_SERIAL_START=1), to compare a switch's effect where hosts differ
-[ -n "${AB:-}" ] && run run-b $AB
+# AB="ENV=VALUE ..." and/or AB_SET="KEY=VALUE" (one `--set`): the same job again on the same
+# machine with that environment or job key (e.g. AB=BATCHEMBED_SERIAL_START=1), to compare a
+# switch's effect where hosts differ. AB_ORDER=ABBA runs B twice and A again (run-b, run-b2,
+# run-a2): where B compiles anew, its second run is the one with a warm cache.
+if [ -n "${AB:-}${AB_SET:-}" ]; then
+  b=(${AB:-}); [ -n "${AB_SET:-}" ] && b+=(-- --set "$AB_SET")
+  run run-b "${b[@]}"
+  [ "${AB_ORDER:-AB}" = ABBA ] && { run run-b2 "${b[@]}"; run run-a2; }
+fi
 rm -rf "$W"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
