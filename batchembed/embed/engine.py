@@ -393,6 +393,11 @@ class Engine:
             # whole process's RSS: an engine in a process holding more than that share (a notebook's
             # data, the one that replaces an engine that failed in it) could not start
             args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
+        if not args["enforce_eager"] and not self.on_cpu:
+            # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
+            # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
+            # them took 3-4 s of each engine's start (Qwen3-0.6B shape, H100 and H200)
+            args["compilation_config"] = {"cudagraph_mode": "NONE"}
         args.update(spec.vllm_args)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != _MULTIPROCESSING_ENV} | {"in_process": self.in_process},
