@@ -11,7 +11,7 @@ from helpers import job_dict, write_parquet
 
 from batchembed.cli import cli
 from batchembed.config import load_job
-from batchembed.tune import flops_per_token, tuned_rows_per_part
+from batchembed.tune import Trial, best, flops_per_token, tuned_rows_per_part
 
 
 def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp_path):
@@ -34,6 +34,17 @@ def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp
     assert tuned.output.rows_per_part == (25 if tuned.engine.data_parallel == 2 else 1_000_000)
     assert (tmp_path / "job.yaml").read_text() == before  # the job file is never changed
     assert not (tmp_path / "out").exists()  # the trials wrote elsewhere
+
+
+def test_best_is_the_fastest_running_and_of_ties_within_1_percent_the_fewest_engines():
+    def trials(*rates):
+        return [Trial(k, 1, 1, r, r, r / 2, 1.0, 0.0, None) for k, r in rates]
+
+    # the H200's sample runs (notes/performance.md): Qwen3-0.6B @ 512, then bge-base @ 80
+    assert best(trials((1, 455_149), (2, 466_468))).engines == 2
+    assert best(trials((6, 1_919_462), (8, 1_974_612))).engines == 8
+    assert best(trials((1, 1000), (2, 1009), (4, 990))).engines == 1  # within 1 %: fewer engines
+    assert best(trials((2, 1000), (4, 1200), (8, 1100))).engines == 4
 
 
 def test_flops_per_token_of_a_bert_and_a_decoder_shape():
