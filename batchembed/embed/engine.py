@@ -198,9 +198,9 @@ def _quiet_front_end(llm) -> None:
 def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
     """KV cache for `tokens` tokens of a decoder model; None if its config does not say.
 
-    On a GPU we give vLLM this size (kv_cache_memory_bytes) rather than let it size the cache
-    by profiling: the profile reads the device's free memory, so an engine starting beside
-    another one on the same GPU counts the other's allocations as its own and fails with
+    We give vLLM this size (kv_cache_memory_bytes; on CPU too, see Engine) rather than let a GPU
+    build size the cache by profiling: the profile reads the device's free memory, so an engine
+    starting beside another one on the same GPU counts the other's allocations as its own and fails with
     "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
     H200, notes/performance.md). A pooling step's requests finish within the step, so a
     cache of two steps' tokens is all a batch job uses; vLLM's default takes most of the GPU.
@@ -396,7 +396,7 @@ class Engine:
         if not args["enforce_eager"] and not self.on_cpu:
             # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
             # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
-            # them took 3-4 s of each engine's start (Qwen3-0.6B shape, H100 and H200)
+            # them took 2-3 s of each engine's start (Qwen3-0.6B shape, H200; 3.3 s on an H100)
             args["compilation_config"] = {"cudagraph_mode": "NONE"}
         args.update(spec.vllm_args)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
