@@ -373,8 +373,8 @@ class Engine:
             # order the rows were submitted: our token-budget batches.
             max_num_batched_tokens=self.token_budget,
             max_num_seqs=self.max_batch_rows,
-            # Eager for encoders and on CPU; compiled (torch.compile + CUDA graphs, cached by vLLM
-            # for the next run) for decoder embedders on a GPU. On a fresh H200, six bge-base
+            # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
+            # run; no CUDA graphs, below) for decoder embedders on a GPU. On a fresh H200, six bge-base
             # engines ran the whole job 1.3x faster eager (start-up 39.5 s against 80 s, and no
             # slower while running: notes/performance.md); on CPU compiled was level or slower.
             enforce_eager=default_eager(model, self.on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
@@ -423,7 +423,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         # where start-up goes: the import is paid once per process, the build (engine process,
-        # weights, compile or its cache, CUDA graphs) once per engine
+        # weights, compile or its cache) once per engine
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s%s", replica + 1, replicas, t1 - t0 - waited,
                  time.perf_counter() - t1, f" (after waiting {waited:.1f} s for the CPU)" if waited >= 0.1 else "")
         if self.in_process:
