@@ -38,17 +38,9 @@ run() {  # run NAME [ENV=VALUE ...] [-- --set KEY=VALUE ...]
 }
 drop() { sync; if echo 3 > /proc/sys/vm/drop_caches 2> /dev/null; then echo "(page cache dropped)"; return 0; fi
          echo "(this machine does not let the page cache be dropped: cold cases skipped)"; return 1; }
-# The image's own packages (torch, transformers, sympy, ...) too, where it has no bytecode for
-# them: the run warns about that (batchembed/embed/bytecode.py), and says how to fix it.
-{ read -r lacking; read -r folders; } < <(python3 -c "from batchembed.embed import bytecode; m = bytecode.missing()
-print(' '.join(sorted(m))); print(' '.join(sorted({str(f.parent) for f in m.values()})))")
-t0=$(date +%s.%N)
-python3 -m compileall -q -j 0 ~/site $folders > /dev/null 2>&1 || true
-compiled=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 {
   echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%F)"
-  echo "without bytecode at the start: ${lacking:-none}; PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-}"
-  echo "bytecode of ~/site $folders compiled first, as pip install does: $compiled s (not counted below)"
+  bash scripts/gpu_bytecode.sh
   run fresh
   if drop; then run cold; fi
   run six-engines -- --set engine.data_parallel=6
