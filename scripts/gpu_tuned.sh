@@ -10,7 +10,7 @@
 # tune writes engine.data_parallel and output.rows_per_part (about 30 parts per engine); the run uses
 # the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result-run.json,
 # manifest-run.json (its throughput: tok/s in 60 slices of the run)}, and the same for run-b with AB=
-# or AB_SET= (below), and OUT_DIR.tgz.
+# or AB_SET= (below) and each of VARIANTS=, and OUT_DIR.tgz.
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
 MODEL=$2 LEN=$3 CHARS=$4 ROWS=$5 ENGINES=$6 SAMPLE=$7
@@ -91,5 +91,11 @@ if [ -n "${AB:-}${AB_SET:-}" ]; then
   run run-b "${b[@]}"
   [ "${AB_ORDER:-AB}" = ABBA ] && { run run-b2 "${b[@]}"; run run-a2; }
 fi
+# VARIANTS: more runs of the same job after those, one a line: NAME [ENV=VALUE ...] [-- --set KEY=VALUE ...]
+# (values without spaces), e.g. VARIANTS=$'run-c -- --set engine.token_budget=131072'
+mapfile -t variants <<< "${VARIANTS:-}"
+for line in "${variants[@]}"; do
+  [ -n "$line" ] && run $line
+done
 rm -rf "$W"
 tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
