@@ -132,7 +132,9 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
             worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
                        lambda step: results_q.put(("progress", replica, step)), stop)
         finally:
+            t = time.perf_counter()
             worker.close()
+            log.info("engine process %d: engine closed in %.1f s", replica, time.perf_counter() - t)
         results_q.put(("done", replica, worker.report()))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
         message = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}"
