@@ -27,6 +27,7 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
     # started about 3x faster on 2 cores, ran as fast and took half the memory (notes/performance.md)
     from batchembed.config import EngineSpec
     from batchembed.embed.engine import Engine, default_in_process
+    from batchembed.embed.watchdog import is_alive
 
     if not engine.on_cpu:
         pytest.skip("GPU build: the engine core runs in a process of its own by default")
@@ -41,9 +42,15 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
         v = eng.embed([[101, 7592, 2088, 102]])
         assert v.shape == (1, eng.dimension)
         # a second engine beside it gets processes of its own (vLLM's state is per process)
-        with Engine(model_info, "float32", model_info.max_length, EngineSpec()) as other:
+        other = Engine(model_info, "float32", model_info.max_length, EngineSpec())
+        try:
             assert not other.in_process
             np.testing.assert_allclose(other.embed([[101, 7592, 2088, 102]]), v, atol=1e-5)
+        finally:
+            # as a process that ends after its run leaves it: its processes are gone when leave() returns
+            processes = list(other.processes)
+            other.leave()
+        assert processes and not any(is_alive(proc) for proc in processes)
     assert engine.embed([[101, 7592, 2088, 102]]).shape == (1, engine.dimension)  # the session's still runs
 
 

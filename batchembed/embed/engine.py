@@ -31,7 +31,7 @@ from ..config import EngineSpec
 from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo
 from . import bytecode
-from .watchdog import Watchdog, child_pids, kill_tree, tree
+from .watchdog import Watchdog, child_pids, kill_tree, tree, wait_gone
 
 log = logging.getLogger(__name__)
 
@@ -229,21 +229,16 @@ def _copy_engine_output_frames() -> None:
         zmq.COPY_THRESHOLD = 2**31 - 1  # a C int in places; no frame is that large
 
 
-def _shutdown_grace(shutdown) -> dict:
-    """Keyword arguments for vLLM's engine shutdown: a 1 s grace instead of its default 5 s.
-
-    The engine core stops at once, but vLLM then waits for its worker process, which on CPU
-    never leaves on its own and is killed when the wait ends: closing took the whole wait
-    (scripts/engine_settings.py prints it). Everything is on disk by then. Versions whose
-    shutdown takes no timeout keep their own.
-    """
+def _shutdown_grace(shutdown, grace: float) -> dict:
+    """Keyword arguments for vLLM's engine shutdown with `grace` seconds instead of its default 5 s
+    (Engine._shutdown). Versions whose shutdown takes no timeout keep their own."""
     import inspect
 
     try:
         takes_timeout = "timeout" in inspect.signature(shutdown).parameters
     except (TypeError, ValueError):
         takes_timeout = False
-    return {"timeout": 1.0} if takes_timeout else {}
+    return {"timeout": grace} if takes_timeout else {}
 
 
 def _prompt_maker():
@@ -567,38 +562,48 @@ class Engine:
         self.close()
 
     def leave(self) -> None:
-        """Close, in a process that ends right after (the CLI's, an engine process's): an engine in
+        """Close, in a process that ends right after (the CLI's, an engine process's). An engine in
         this process is stopped and its teardown left to the exit, which frees its memory at once
         (vLLM's shutdown and full garbage collections took 1.2 s of a 10.5 s 200-row run on a
-        2-core CPU); one in processes of its own is closed as usual."""
-        llm = getattr(self, "llm", None)
-        if llm is None or not self.in_process:
-            self.close()
+        2-core CPU). One in processes of its own is shut down without vLLM's grace, which its
+        processes never used: they were killed when it ran out, and every engine process of a GPU
+        run spent 1.3-1.6 s closing its engine, after its last vector (H100, notes/performance.md)."""
+        if getattr(self, "llm", None) is None:
+            return
+        if not self.in_process:
+            self._shutdown(grace=0.0)
+            if not wait_gone(self.processes, 10.0):
+                log.warning("engine processes %s still there 10 s after they were killed",
+                            [pid for pid, _ in self.processes])
             return
         self.watchdog.stop()
         self._slots = {}
+        _left_to_exit.append(self.llm)  # referenced, so no destructor of vLLM's runs its shutdown before the exit
         self.llm = None
-        _left_to_exit.append(llm)  # referenced, so no destructor of vLLM's runs its shutdown before the exit
         log.debug("engine left to the process's exit, not torn down")
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is None:
+        if getattr(self, "llm", None) is None:
             return
+        self._shutdown(grace=1.0)
+        import gc
+
+        gc.collect()
+
+    def _shutdown(self, grace: float) -> None:
+        """vLLM's engine shutdown: its processes get SIGTERM, and SIGKILL after `grace` seconds
+        (vLLM's default is 5 s; an engine core stops at once, but on CPU its worker process never
+        leaves on its own). Everything is on disk by then."""
+        llm, self.llm = self.llm, None
         self.watchdog.stop()
         self._slots = {}
-        self.llm = None
         _in_process_engines.discard(id(self))
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             try:
-                core.shutdown(**_shutdown_grace(core.shutdown))
+                core.shutdown(**_shutdown_grace(core.shutdown, grace))
             except Exception as e:  # noqa: BLE001 - shutting down must not turn success into failure
                 log.warning("engine shutdown: %s", e)
-        del llm
-        import gc
-
-        gc.collect()
 
     def __enter__(self) -> "Engine":
         return self

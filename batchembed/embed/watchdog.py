@@ -78,6 +78,16 @@ def kill_tree(procs: list[tuple[int, str]]) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
+def wait_gone(procs: list[tuple[int, str]], timeout: float) -> bool:
+    """Wait until none of `procs` runs (gone, or a zombie holding nothing); whether they all went."""
+    deadline = time.monotonic() + timeout
+    while any(is_alive(p) for p in procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 class Watchdog:
     """A thread that checks an engine once a second. `busy()` says whether sequences are queued;
     `progress()` is called by the engine whenever vectors come back (or work starts)."""
@@ -125,7 +135,10 @@ class Watchdog:
                 return
 
     def stop(self) -> None:
+        """Stop checking; once this returns, no check runs (one in progress is waited for)."""
         self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
 
 
 def _end_this_process(reason: str) -> None:
