@@ -142,6 +142,36 @@ def test_an_engine_starts_ahead_of_the_first_window_only_for_a_pipeline_with_a_t
 
 
 
+def test_the_reader_waits_one_window_ahead_while_the_engine_is_built(tmp_path, fake):
+    # tokenising five windows ahead took the cores a compiled engine's build needed (two Qwen3
+    # engines on an H200 host: 11.5-11.8 s against 9.4 s); the rest is read once the engine is up
+    import queue
+    import time
+
+    from batchembed.job import prepare
+    from batchembed.pipeline import Pipeline
+
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(100)), "text": [f"t {i}" for i in range(100)]})
+    p = prepare(_job(tmp_path, engine={"sort_window_rows": 10}))
+    tokenised = []
+    seen_while_building = []
+
+    def build():
+        time.sleep(1.0)  # long enough for the reader to have tokenised every window, were it let
+        seen_while_building.append(len(tokenised))
+        return fake
+
+    pipeline = Pipeline(p, build)
+    tokenize = pipeline.reader.tokenizer
+    pipeline.reader.tokenizer = lambda texts: tokenised.append(len(texts)) or tokenize(texts)
+    tasks = queue.Queue()
+    for t in p.tasks:
+        tasks.put(t)
+    assert len(pipeline.run(tasks, lambda step: None)) == len(p.tasks)
+    assert seen_while_building == [1] and len(tokenised) == 10 and fake.sequences == 100
+    assert not pipeline.embedder.building.is_set()
+
+
 def test_an_engine_that_cannot_be_replaced_names_the_failure_it_was_to_replace(tmp_path, model_info, monkeypatch):
     # the replacement's own error (on CPU: memory the dead in-process engine still holds) must
     # not hide the first failure, which is the cause

@@ -39,6 +39,7 @@ class Pipeline:
         self.reader = ReadStage(p)
         self.embedder = EmbedStage(p, engine_source, replace_engine)
         self.writer = WriteStage(p)
+        self.reader.building = self.embedder.building
         self.records: dict[str, dict] = {}  # part name -> commit record, over every run
         self.failed: list[dict] = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -60,11 +61,21 @@ class EmbedStage:
         self._on_engine: deque[Window] = deque()  # windows with vectors still to come, oldest first
         self._busy_since = 0.0
         self._coming: dict[int, tuple[Window, int]] = {}  # text hash -> (window on the engine, unique index)
+        # set while an engine is being built (the first, or a replacement): the reader then reads
+        # no further ahead (read.py), since tokenising takes the cores the build needs
+        self.building = threading.Event()
 
     def _engine(self):
         if self.engine is None:
-            self.engine = self.engine_source()
+            self.engine = self._build(self.engine_source)
         return self.engine
+
+    def _build(self, source, *args):
+        self.building.set()
+        try:
+            return source(*args)
+        finally:
+            self.building.clear()
 
     def _start_window(self, w: Window) -> None:
         """Vectors for the window's unique texts from the cache of recent ones (or from a window
@@ -111,7 +122,7 @@ class EmbedStage:
         was written of those windows, so nothing is written twice."""
         if self.replace_engine is None:
             raise failure
-        self.engine = self.replace_engine(self.engine, failure)
+        self.engine = self._build(self.replace_engine, self.engine, failure)
         self._busy_since = time.perf_counter()
         for w in self._on_engine:
             w.pending = self.engine.submit(w.plan.seqs)

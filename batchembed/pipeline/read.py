@@ -5,7 +5,9 @@ storage error."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -26,10 +28,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# Windows the reader keeps ready while the engine is being built; BATCHEMBED_READ_AHEAD_WHILE_BUILDING
+# changes it, to compare (scripts/gpu_tuned.sh AB=). Tokenising further ahead took the cores the
+# builds needed: two compiled Qwen3 engines on an H200 host built in 11.5-11.8 s while their
+# readers tokenised five windows each on 12-15 of the 16 cores, 9.4 s where there was less to read
+# (notes/performance.md).
+READ_AHEAD_WHILE_BUILDING = int(os.environ.get("BATCHEMBED_READ_AHEAD_WHILE_BUILDING", "1"))
+
+
 class ReadStage:
     def __init__(self, p: Prepared):
         self.p = p
         self.tokenizer = p.tokenizer()
+        self.building: threading.Event | None = None  # set while the engine is being built (embed.py)
 
     def run(self, tasks, q_in: queue.Queue, stop) -> None:
         """Every task of `tasks` (get_nowait until queue.Empty) onto q_in as windows, then END."""
@@ -53,6 +64,7 @@ class ReadStage:
             try:
                 index = TaskIndex(prev, task) if prev is not None else None
                 for batch in p.iter_batches(task, p.spec.engine.sort_window_rows):
+                    self._pace(q_in, stop)
                     batch, texts, dropped = select_rows(p.spec.input, batch)
                     window = self.plan(batch, texts, index)
                     window.filtered = dropped
@@ -80,6 +92,12 @@ class ReadStage:
                 if index is not None:
                     index.close()
         return False
+
+    def _pace(self, q_in: queue.Queue, stop) -> None:
+        """While the engine is being built, wait once READ_AHEAD_WHILE_BUILDING windows are ready."""
+        while (self.building is not None and self.building.is_set() and not stop.is_set()
+               and q_in.qsize() >= READ_AHEAD_WHILE_BUILDING):
+            time.sleep(0.05)
 
     def plan(self, batch: pa.RecordBatch, texts: list[str | None], index: TaskIndex | None) -> Window:
         """Which rows of a window reuse a previous vector, and the unique texts left to embed."""
