@@ -28,11 +28,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-# Windows the reader keeps ready while the engine is being built; BATCHEMBED_READ_AHEAD_WHILE_BUILDING
-# changes it, to compare (scripts/gpu_tuned.sh AB=). Tokenising further ahead took the cores the
-# builds needed: two compiled Qwen3 engines on an H200 host built in 11.5-11.8 s while their
-# readers tokenised five windows each on 12-15 of the 16 cores, 9.4 s where there was less to read
-# (notes/performance.md).
+# Windows the reader keeps ready while the engine is being built (BATCHEMBED_READ_AHEAD_WHILE_BUILDING
+# changes it, to compare: scripts/gpu_tuned.sh AB=). Tokenising five windows ahead, as the queue
+# allows, took 10-16 of an H100 host's 16 cores for 7 s of two engines' builds: eight bge-base engines
+# built in 5.2-6.0 s with one window ahead against 6.7-7.6 s with five (notes/performance.md). The
+# rest is tokenised while the engines run.
 READ_AHEAD_WHILE_BUILDING = int(os.environ.get("BATCHEMBED_READ_AHEAD_WHILE_BUILDING", "1"))
 
 
