@@ -143,8 +143,8 @@ def test_an_engine_starts_ahead_of_the_first_window_only_for_a_pipeline_with_a_t
 
 
 def test_the_reader_waits_one_window_ahead_while_the_engine_is_built(tmp_path, fake):
-    # tokenising five windows ahead took the cores a compiled engine's build needed (two Qwen3
-    # engines on an H200 host: 11.5-11.8 s against 9.4 s); the rest is read once the engine is up
+    # tokenising five windows ahead took the cores the engines' builds needed (eight bge-base engines
+    # on an H100 host built in 6.7-7.6 s, 5.2-6.0 s with one); the rest is read once the engine is up
     import queue
     import time
 
