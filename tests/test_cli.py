@@ -66,6 +66,7 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     """engine.data_parallel=2 on CPU: two engine processes started together, one core each, one
     task queue; with --log-json their lines are JSON too, tagged with the engine."""
     import numpy as np
+    from helpers import group_alive
 
     texts = [f"row {i} " + "data parallel engines " * (i % 7 + 1) for i in range(120)]
     for k in range(4):
@@ -78,10 +79,12 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
                                            embedding={"dimensions": [384, 64]})))
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}  # empty, as on a fresh machine
-        rc = subprocess.run([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out, stderr=err,
-                            timeout=400,
-                            env=env).returncode
+        proc = subprocess.Popen([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out,
+                                stderr=err, env=env, start_new_session=True)
+        rc = proc.wait(timeout=400)
     assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
+    # the engine processes and their forkserver end with the run (the forkserver ended 2 s after it)
+    assert group_alive(proc.pid) == [], "a process of the run outlived it"
     summary = json.loads((tmp_path / "stdout").read_text())  # the summary alone, engine processes' vLLM too
     assert summary["engines"] == 2 and summary["tasks_run"] == 4
     lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]

@@ -57,9 +57,15 @@ _process_ends_after_run = False
 
 def process_ends_after_run() -> None:
     """Say that this process ends once its run returns (the CLI, an engine process): engines in
-    it are then left to the exit rather than torn down (Engine.leave)."""
+    it are then left to the exit rather than torn down (Engine.leave), and the forkserver of its
+    engine processes is stopped with the run (processes.forkserver_ahead)."""
     global _process_ends_after_run
     _process_ends_after_run = True
+
+
+def ends_after_run() -> bool:
+    """Whether process_ends_after_run() was said in this process."""
+    return _process_ends_after_run
 
 
 def release(engine, run_over: bool = True) -> None:
@@ -68,7 +74,7 @@ def release(engine, run_over: bool = True) -> None:
     run is over in a process that then ends, leave it to the exit (process_ends_after_run)."""
     if interrupts.requested():
         engine.kill()
-    elif run_over and _process_ends_after_run:
+    elif run_over and ends_after_run():
         engine.leave()
     else:
         engine.close()

@@ -28,7 +28,7 @@ from ..embed import bytecode
 from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
 from ..stats import RunResult, WorkerReport, combine
-from .base import ARCHITECTURES_ENV
+from .base import ARCHITECTURES_ENV, ends_after_run
 
 if TYPE_CHECKING:
     from ..job import Prepared
@@ -195,8 +195,10 @@ def forkserver_ahead(wanted: bool, architectures=()):
     run will want engine processes: the run plans, reads what its output holds and copies what a
     previous output gives meanwhile. If the run ends before any engine process was started (a
     bad job, a complete output), the forkserver is killed, even in the middle of its import, which
-    it would otherwise finish before noticing that this process is gone. Kept after runs that
-    used it: a later run in this process (a library user's, the tests') starts its engines at once."""
+    it would otherwise finish before noticing that this process is gone. So is it after the run in
+    a process that ends then (the CLI): it would end 2 s after that process, when its interpreter
+    had torn down vLLM's modules. Kept after runs in other processes: a later run (a library
+    user's, the tests') starts its engines at once."""
     if wanted:
         from multiprocessing import forkserver
 
@@ -207,7 +209,7 @@ def forkserver_ahead(wanted: bool, architectures=()):
     try:
         yield
     finally:
-        if wanted and not _engines_started:
+        if wanted and (not _engines_started or ends_after_run()):
             _stop_forkserver()
 
 
