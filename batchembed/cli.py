@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from . import __version__, procguard
+from . import __version__
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .logs import exit_now, setup_logging
 
@@ -371,7 +371,6 @@ def main() -> None:
     except click.Abort:
         click.echo("Aborted!", err=True)
         code = 1
-    procguard.stop_resource_tracker()
     exit_now(code)
 
 

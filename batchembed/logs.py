@@ -71,9 +71,30 @@ def json_logging() -> bool:
 def exit_now(code: int) -> NoReturn:
     """End this process at once with `code`, once the logs and standard streams are flushed, without
     the interpreter's teardown: vLLM's engines leave C++ threads that can abort it ("terminate
-    called without an active exception"), which would turn a finished run into a failed one."""
+    called without an active exception"), which would turn a finished run into a failed one.
+    Multiprocessing's resource tracker, if this process started one, is ended first."""
+    _stop_resource_tracker()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def _stop_resource_tracker() -> None:
+    """End multiprocessing's resource tracker, if this process started one (the engine processes'
+    forkserver and queues start it), and wait for it: left alone, it ends only once this process's
+    exit has closed its pipe, a moment after, and so outlived the run (seen under load). Only in a
+    process that ends right after: the tracker removes whatever is still registered with it."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # noqa: SLF001 - the stdlib's one instance
+    if getattr(tracker, "_pid", None) is None or not hasattr(tracker, "_stop"):
+        return
+    lock = getattr(tracker, "_lock", None)
+    if lock is not None:  # held by a thread that hangs (exit_now from the watchdog): leave it to the exit
+        if not lock.acquire(timeout=1.0):
+            return
+        lock.release()
+    with contextlib.suppress(Exception):  # e.g. ChildProcessError: inherited, not this process's child
+        tracker._stop()  # noqa: SLF001 - closes its pipe and waits for it to end

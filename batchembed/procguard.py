@@ -133,17 +133,3 @@ def guard() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=guard)
-
-
-def stop_resource_tracker() -> None:
-    """End multiprocessing's resource tracker, if this process started one (the engine processes'
-    forkserver and queues start it), and wait for it: left alone, it ends only once this process's
-    exit has closed its pipe, a moment after, and so outlived the run (seen under load). Only for a
-    process that ends right after: the tracker removes whatever is still registered with it."""
-    from multiprocessing import resource_tracker
-
-    tracker = resource_tracker._resource_tracker  # noqa: SLF001 - the stdlib's one instance
-    if getattr(tracker, "_pid", None) is None or not hasattr(tracker, "_stop"):
-        return
-    with contextlib.suppress(Exception):  # e.g. ChildProcessError: inherited, not this process's child
-        tracker._stop()  # noqa: SLF001 - closes its pipe and waits for it to end
