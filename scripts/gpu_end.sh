@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${1:?usage: gpu_end.sh OUT_DIR}
 export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 mkdir -p "$OUT"
-[ -f ~/.batchembed-bytecode ] || { bash scripts/gpu_bytecode.sh | tee "$OUT/bytecode.txt" && touch ~/.batchembed-bytecode; }
+bash scripts/gpu_bytecode.sh | tee "$OUT/bytecode.txt"
 W=$(mktemp -d)
 python3 scripts/make_demo_corpus.py "$W/corpus" --rows 3000 --files 4 --row-group-rows 500 > /dev/null
 printf 'name: end\ninput: {uri: %s, text_column: text, id_column: id}\nmodel: {name: %s, max_length: 80}\noutput: {uri: %s, rows_per_part: 250}\n' \

@@ -19,7 +19,7 @@ MK=${MKMODELS:-../shared/gpu/mkmodels.py}
 MODELS=${MODELS:-~/models}
 mkdir -p "$OUT"
 # where the image or the bundle has no bytecode, compile it first (as pip would; not counted)
-[ -f ~/.batchembed-bytecode ] || { bash scripts/gpu_bytecode.sh | tee "$OUT/bytecode.txt" && touch ~/.batchembed-bytecode; }
+bash scripts/gpu_bytecode.sh | tee "$OUT/bytecode.txt"
 [ -d "$MODELS/$MODEL" ] || python3 "$MK" "$MODELS/minilm" "$MODELS" > "$OUT/mkmodels.log" 2>&1
 W=$(mktemp -d)
 python3 scripts/make_demo_corpus.py "$W/corpus" --rows "$ROWS" --files 8 --min-chars "$CHARS" > "$OUT/corpus.log" 2>&1 \
