@@ -97,6 +97,10 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     # the forkserver inspected the model's class before forking them: no engine process did
     assert not (tmp_path / "vllm-cache" / "modelinfos").exists()
     assert not [e for e in lines if "inspected the model class" in e["message"]]
+    # and froze the heap of its imports, which the engines' builds then skip as they collect
+    frozen = [int(e["message"].split(": ")[1].split()[0]) for e in lines
+              if e["message"].startswith("the heap before the build")]
+    assert len(frozen) == 2 and min(frozen) > 100_000, frozen
     out = read_output(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(120))
     from sentence_transformers import SentenceTransformer

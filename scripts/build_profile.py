@@ -1,0 +1,72 @@
+"""Where one engine's start-up goes: vLLM's import, then the build of one batchembed Engine, timed
+and (with --profile) under cProfile, the engine core in this process so that the profile sees it.
+
+    python3 scripts/build_profile.py --model ~/models/qwen3-0.6b --max-length 512 [--profile OUT.prof]
+        [--set engine.max_batch_rows=256 ...]
+
+Prints one JSON line (import and build seconds, the settings) and, with --profile, the functions
+with the most cumulative time. Run it after a run of the same model and settings on the machine,
+so that vLLM's compile cache is warm (as a nightly job finds it); the first build compiles.
+cProfile slows Python-bound phases more than GPU-bound ones: compare the timed runs (no --profile)
+for figures, and read the profile for where the time goes."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--max-length", type=int, required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE")
+    p.add_argument("--profile", help="write the cProfile stats here and print the top entries")
+    p.add_argument("--top", type=int, default=45)
+    a = p.parse_args()
+
+    from batchembed.config import EngineSpec
+    from batchembed.model import read_model_info
+
+    settings = {"in_process": True}
+    for s in a.set:
+        key, _, value = s.partition("=")
+        settings[key.removeprefix("engine.")] = json.loads(value) if value[:1] in "[{0123456789tfn" else value
+    spec = EngineSpec(**settings)
+    model = read_model_info(a.model)
+    prof = cProfile.Profile() if a.profile else None
+    if prof:
+        prof.enable()
+    t0 = time.perf_counter()
+    from vllm import LLM, PoolingParams  # noqa: F401 - the import is timed apart from the build
+
+    t1 = time.perf_counter()
+    from batchembed.embed.engine import Engine
+
+    engine = Engine(model, a.dtype, a.max_length, spec)
+    t2 = time.perf_counter()
+    if prof:
+        prof.disable()
+    print(json.dumps({"model": a.model, "max_length": a.max_length, "settings": settings,
+                      "import_s": round(t1 - t0, 2), "build_s": round(t2 - t1, 2),
+                      "profiled": bool(prof)}), flush=True)
+    if prof:
+        prof.dump_stats(a.profile)
+        st = pstats.Stats(prof, stream=sys.stdout)
+        st.sort_stats("cumulative").print_stats(a.top)
+        st.sort_stats("tottime").print_stats(25)
+    sys.stdout.flush()
+    engine.leave()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
