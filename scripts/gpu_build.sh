@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
+# process of its own), with and without the heap freeze (BATCHEMBED_GC_FREEZE), alternating; then
+# one build under cProfile with the engine core in the process, for where the time goes.
+# Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
+# the bge-base and Qwen3-0.6B shapes).
+#   bash scripts/gpu_build.sh OUT_DIR MODEL MAX_LENGTH [REPEAT (2)]
+#   e.g. bash scripts/gpu_build.sh out/b qwen3-0.6b 512
+# The first build compiles where vLLM's cache is cold and is not counted. Writes OUT_DIR/ab.jsonl
+# (one line a build: import_s, build_s, the switch), profile.txt (the top functions), build.prof,
+# and each build's log.
+set -uo pipefail
+OUT=${1:?usage: gpu_build.sh OUT_DIR MODEL MAX_LENGTH [REPEAT]}
+MODEL=$2 LEN=$3 REPEAT=${4:-2}
+export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+mkdir -p "$OUT"
+bash scripts/gpu_bytecode.sh
+build() {  # build NAME [ARGS...]
+  local name=$1; shift
+  python3 scripts/build_profile.py --model ~/models/"$MODEL" --max-length "$LEN" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
+}
+echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%FT%TZ)" | tee "$OUT/machine.txt"
+build first --set engine.in_process=false
+echo "first (compiles where the cache is cold): $(tail -1 "$OUT/first.txt")"
+: > "$OUT/ab.jsonl"
+for i in $(seq "$REPEAT"); do
+  for f in 0 1; do
+    BATCHEMBED_GC_FREEZE=$f build "freeze$f-$i" --set engine.in_process=false
+    tail -1 "$OUT/freeze$f-$i.txt" | sed "s/^{/{\"gc_freeze\": $f, /" | tee -a "$OUT/ab.jsonl"
+  done
+done
+build profile --profile "$OUT/build.prof" --set engine.in_process=true
+head -1 "$OUT/profile.txt"
+grep -h "gc.collect\|freeze_gc_heap\|profile_run\|_dummy_pooler_run\|load_model\|compile_or_warm_up\|load_compiled\|init_device" \
+  "$OUT/profile.txt" | head -24
