@@ -341,10 +341,10 @@ def freeze_heap() -> int:
     its own heap freeze at the end), each walking every object of the imports (about 700,000 with
     vLLM imported, on CPU). Frozen, they are skipped, and a process forked after this (the engine
     processes from their forkserver, vLLM's engine core from an engine process) no longer writes
-    to every page of that heap as it collects, so it shares those pages with its parent rather
-    than copying them. What is unreachable now is collected first; an object frozen here that
-    later becomes cyclic garbage stays until vLLM's shutdown of an engine in this process
-    unfreezes the heap (it does). Returns how many objects are frozen."""
+    to every page of that heap as it collects (a two-engine CPU run's PSS: 2.07 -> 2.01 GB).
+    What is unreachable now is collected first; an object frozen here that later becomes cyclic
+    garbage stays until vLLM's shutdown of an engine in this process unfreezes the heap (it
+    does). Returns how many objects are frozen."""
     global _heap_frozen
     if not _heap_frozen and os.environ.get(GC_FREEZE_ENV, "1") != "0":
         _heap_frozen = True
