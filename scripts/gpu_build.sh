@@ -22,15 +22,15 @@ build() {  # build NAME [ARGS...]
 }
 echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%FT%TZ)" | tee "$OUT/machine.txt"
 build first --set engine.in_process=false
-echo "first (compiles where the cache is cold): $(tail -1 "$OUT/first.txt")"
+echo "first (compiles where the cache is cold): $(grep -h '^RESULT ' "$OUT/first.txt")"
 : > "$OUT/ab.jsonl"
 for i in $(seq "$REPEAT"); do
   for f in 0 1; do
     BATCHEMBED_GC_FREEZE=$f build "freeze$f-$i" --set engine.in_process=false
-    tail -1 "$OUT/freeze$f-$i.txt" | sed "s/^{/{\"gc_freeze\": $f, /" | tee -a "$OUT/ab.jsonl"
+    grep -h '^RESULT ' "$OUT/freeze$f-$i.txt" | sed "s/^RESULT {/{\"gc_freeze\": $f, /" | tee -a "$OUT/ab.jsonl"
   done
 done
 build profile --profile "$OUT/build.prof" --set engine.in_process=true
-head -1 "$OUT/profile.txt"
+grep -h '^RESULT ' "$OUT/profile.txt"
 grep -h "gc.collect\|freeze_gc_heap\|profile_run\|_dummy_pooler_run\|load_model\|compile_or_warm_up\|load_compiled\|init_device" \
   "$OUT/profile.txt" | head -24
