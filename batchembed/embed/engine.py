@@ -308,6 +308,8 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
         gpu_memory_utilization=memory_share,
         seed=0,
         disable_log_stats=True,
+        # vLLM's bar over the weight files, three lines on stderr per engine; the run has its own
+        use_tqdm_on_load=False,
         # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
         # Embedding). A batch corpus gains little from it, and with it on, runs with
         # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
