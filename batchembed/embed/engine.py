@@ -457,7 +457,10 @@ class Engine:
                 gc.unfreeze()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         if froze and not self.in_process:
-            gc.unfreeze()  # built; an engine in this process: vLLM froze the heap again, and its shutdown unfreezes it
+            # built: the program that runs the job collects its objects as before (an engine in this
+            # process is left to vLLM, which froze the heap again as its build ended and unfreezes it
+            # at its shutdown)
+            gc.unfreeze()
         # where start-up goes: the import is paid once per process, the build (engine process,
         # weights, compile or its cache) once per engine
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s%s", replica + 1, replicas, t1 - t0 - waited,
