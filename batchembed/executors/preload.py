@@ -13,17 +13,18 @@ import signal
 import time
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-_t0 = time.perf_counter()
-from vllm import LLM, PoolingParams  # noqa: E402,F401 - the import itself is the point
 
-IMPORT_SECONDS = time.perf_counter() - _t0
-
-from ..embed.engine import freeze_heap, inspect_here  # noqa: E402
+from ..embed.engine import collector_paused, freeze_heap, inspect_here  # noqa: E402
 from .base import ARCHITECTURES_ENV  # noqa: E402
 
-# the job's model class, inspected here once rather than in every engine process (0.8-1.0 s each
-# for bge-base on an H100 host)
-inspect_here(os.environ.get(ARCHITECTURES_ENV, "").split(","))
+with collector_paused():
+    _t0 = time.perf_counter()
+    from vllm import LLM, PoolingParams  # noqa: F401 - the import itself is the point
+
+    IMPORT_SECONDS = time.perf_counter() - _t0
+    # the job's model class, inspected here once rather than in every engine process (0.8-1.0 s
+    # each for bge-base on an H100 host)
+    inspect_here(os.environ.get(ARCHITECTURES_ENV, "").split(","))
 # the heap of these imports, frozen before the engine processes are forked from it: their builds'
 # collections skip it, and they share its pages instead of each copying them as they collect
 freeze_heap()
