@@ -5,8 +5,7 @@ and (with --profile) under cProfile, the engine core in this process so that the
         [--set engine.max_batch_rows=256 ...]
 
 Prints one line, "RESULT " and JSON (import and build seconds, the settings; vLLM logs to stdout
-too), and, with --profile, the functions
-with the most cumulative time. Run it after a run of the same model and settings on the machine,
+too), and, with --profile, the functions with the most cumulative time. Run it after a run of the same model and settings on the machine,
 so that vLLM's compile cache is warm (as a nightly job finds it); the first build compiles.
 cProfile slows Python-bound phases more than GPU-bound ones: compare the timed runs (no --profile)
 for figures, and read the profile for where the time goes."""
@@ -40,7 +39,10 @@ def main() -> None:
     settings = {"in_process": True}
     for s in a.set:
         key, _, value = s.partition("=")
-        settings[key.removeprefix("engine.")] = json.loads(value) if value[:1] in "[{0123456789tfn" else value
+        try:
+            settings[key.removeprefix("engine.")] = json.loads(value)  # numbers, true/false, {...}
+        except ValueError:
+            settings[key.removeprefix("engine.")] = value
     spec = EngineSpec(**settings)
     model = read_model_info(a.model)
     prof = cProfile.Profile() if a.profile else None
