@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -40,7 +43,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     engine = {"sort_window_rows": 40, "in_process": False, **({"stall_timeout_s": 10} if fault == "stop" else {})}
     job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40}, engine=engine,
                    fidelity_check="off")
-    proc = start_run(tmp_path, job, stdout=subprocess.PIPE)
+    # the run's temp folder, where vLLM's processes make their sockets (short: a socket's path is)
+    tmp = Path(tempfile.mkdtemp(prefix="t"))
+    proc = start_run(tmp_path, job, stdout=subprocess.PIPE, env=os.environ | {"TMPDIR": str(tmp)})
     core = engine_core(proc.pid)
     assert core
     os.kill(core, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -51,6 +56,11 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     assert "engine restarted in" in text and "Traceback" not in text
     assert not os.path.exists(f"/proc/{core}") or _comm(core) == "", "the failed engine's process outlived it"
     assert group_alive(proc.pid) == [], "processes of the run outlived it"
+    # nor did the sockets of either engine's processes (seven files an engine, the failed one's too)
+    left = [str(p.relative_to(tmp)) for p in tmp.rglob("*")]
+    sockets = [p for p in tmp.rglob("*") if p.is_socket()]
+    shutil.rmtree(tmp)
+    assert not sockets and not [p for p in left if "batchembed-" in p], left
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["rows"] == len(ids) and summary["tasks_run"] == 12
     out = pq.read_table(tmp_path / "out")

