@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -95,6 +96,8 @@ class SeaweedS3:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+        # the S3 gateway's local socket, which it leaves in the temp folder (Go's, as Python's)
+        Path(tempfile.gettempdir(), f"seaweedfs-s3-{self.s3_port}.sock").unlink(missing_ok=True)
 
     def restart(self, down_for: float = 0.0) -> None:
         self.stop()
