@@ -5,8 +5,9 @@ and (with --profile) under cProfile, the engine core in this process so that the
         [--set engine.max_batch_rows=256 ...]
 
 Prints one line, "RESULT " and JSON (import and build seconds, the settings; vLLM logs to stdout
-too), and, with --profile, the functions with the most cumulative time. Run it after a run of the same model and settings on the machine,
-so that vLLM's compile cache is warm (as a nightly job finds it); the first build compiles.
+too), and, with --profile, the functions with the most cumulative time. Run it after a run of the
+same model and settings on the machine, so that vLLM's compile cache is warm (as a nightly job
+finds it); the first build compiles.
 cProfile slows Python-bound phases more than GPU-bound ones: compare the timed runs (no --profile)
 for figures, and read the profile for where the time goes."""
 
@@ -59,9 +60,9 @@ def main() -> None:
     t2 = time.perf_counter()
     if prof:
         prof.disable()
-    print("RESULT " + json.dumps({"model": a.model, "max_length": a.max_length, "settings": settings,
-                      "import_s": round(t1 - t0, 2), "build_s": round(t2 - t1, 2),
-                      "profiled": bool(prof)}), flush=True)
+    result = {"model": a.model, "max_length": a.max_length, "settings": settings,
+              "import_s": round(t1 - t0, 2), "build_s": round(t2 - t1, 2), "profiled": bool(prof)}
+    print("RESULT " + json.dumps(result), flush=True)
     if prof:
         prof.dump_stats(a.profile)
         st = pstats.Stats(prof, stream=sys.stdout)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
-# process of its own), with and without the heap freeze (BATCHEMBED_GC_FREEZE), alternating; then
+# process of its own), with and without the start-up changes to the garbage collector (vLLM's
+# import with it paused, the heap frozen before the build: BATCHEMBED_GC_FREEZE), alternating; then
 # one build under cProfile with the engine core in the process, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
 # the bge-base and Qwen3-0.6B shapes).
