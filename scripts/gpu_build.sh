@@ -2,7 +2,7 @@
 # One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
 # process of its own), with and without the start-up changes to the garbage collector (vLLM's
 # import with it paused, the heap frozen before the build: BATCHEMBED_GC_FREEZE), alternating; then
-# one build under cProfile with the engine core in the process, for where the time goes.
+# one build with the engine core in the process, timed, and one under cProfile, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
 # the bge-base and Qwen3-0.6B shapes).
 #   bash scripts/gpu_build.sh OUT_DIR MODEL MAX_LENGTH [REPEAT (2)]
@@ -31,6 +31,9 @@ for i in $(seq "$REPEAT"); do
     grep -h '^RESULT ' "$OUT/freeze$f-$i.txt" | sed "s/^RESULT {/{\"gc_freeze\": $f, /" | tee -a "$OUT/ab.jsonl"
   done
 done
+# the engine core in the engine's process (the CPU default), timed, for what the core's own process costs
+build inproc --set engine.in_process=true
+grep -h '^RESULT ' "$OUT/inproc.txt" | sed 's/^RESULT {/{"in_process": true, /' | tee -a "$OUT/ab.jsonl"
 build profile --profile "$OUT/build.prof" --set engine.in_process=true
 grep -h '^RESULT ' "$OUT/profile.txt"
 grep -h "gc.collect\|freeze_gc_heap\|profile_run\|_dummy_pooler_run\|load_model\|compile_or_warm_up\|load_compiled\|init_device" \
