@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import logging
 import os
 import pstats
 import sys
@@ -33,6 +34,9 @@ def main() -> None:
     p.add_argument("--profile", help="write the cProfile stats here and print the top entries")
     p.add_argument("--top", type=int, default=45)
     a = p.parse_args()
+    # batchembed's lines (the engine's "up: import, build", the heap frozen) with milliseconds
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("batchembed").setLevel(logging.DEBUG)
 
     from batchembed.config import EngineSpec
     from batchembed.model import read_model_info

@@ -16,7 +16,24 @@ MODEL=$2 LEN=$3 REPEAT=${4:-2}
 export PYTHONPATH=~/site:$PWD VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 mkdir -p "$OUT"
+# vLLM's lines with milliseconds (its default stamps whole seconds), for where a build's time goes
+cat > "$OUT/vllm-logging.json" <<'JSON'
+{"version": 1, "disable_existing_loggers": false,
+ "formatters": {"ms": {"class": "vllm.logging_utils.NewLineFormatter", "datefmt": "%H:%M:%S",
+                       "format": "%(levelname)s %(asctime)s.%(msecs)03d [%(fileinfo)s:%(lineno)d] %(message)s"}},
+ "handlers": {"ms": {"class": "logging.StreamHandler", "formatter": "ms", "level": "INFO", "stream": "ext://sys.stdout"}},
+ "loggers": {"vllm": {"handlers": ["ms"], "level": "INFO", "propagate": false}}}
+JSON
+export VLLM_LOGGING_CONFIG_PATH=$OUT/vllm-logging.json
 bash scripts/gpu_bytecode.sh
+# is the heap frozen after vLLM's import, and what the freeze's one collection costs here
+python3 -c "import gc, time
+from batchembed.embed.engine import collector_paused, freeze_heap
+with collector_paused():
+    from vllm import LLM
+n = gc.get_freeze_count(); t = time.perf_counter(); froze = freeze_heap()
+print(f'after the import: {n} frozen; freeze_heap: {froze}, {gc.get_freeze_count()} frozen in {time.perf_counter() - t:.2f} s')" \
+  2> "$OUT/freeze.log" | tee "$OUT/freeze.txt"
 build() {  # build NAME [ARGS...]
   local name=$1; shift
   python3 scripts/build_profile.py --model ~/models/"$MODEL" --max-length "$LEN" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
