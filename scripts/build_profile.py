@@ -53,10 +53,10 @@ def main() -> None:
     prof = cProfile.Profile() if a.profile else None
     if prof:
         prof.enable()
-    from batchembed.embed.engine import Engine, collector_paused
+    from batchembed.embed.engine import Engine, imports_frozen
 
     t0 = time.perf_counter()
-    with collector_paused():  # as Engine imports it (BATCHEMBED_GC_FREEZE=0: as Python does)
+    with imports_frozen():  # as the forkserver imports it (BATCHEMBED_GC_FREEZE=0: as Python does)
         from vllm import LLM, PoolingParams  # noqa: F401 - the import is timed apart from the build
     t1 = time.perf_counter()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
 # process of its own), with and without the start-up changes to the garbage collector (vLLM's
-# import with it paused, the heap frozen before the build: BATCHEMBED_GC_FREEZE), alternating; then
+# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE), alternating; then
 # one build with the engine core in the process, timed, and one under cProfile, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
 # the bge-base and Qwen3-0.6B shapes).
@@ -26,14 +26,17 @@ cat > "$OUT/vllm-logging.json" <<'JSON'
 JSON
 export VLLM_LOGGING_CONFIG_PATH=$OUT/vllm-logging.json
 bash scripts/gpu_bytecode.sh
-# is the heap frozen after vLLM's import, and what the freeze's one collection costs here
-python3 -c "import gc, time
-from batchembed.embed.engine import collector_paused, freeze_heap
-with collector_paused():
+# what the paused import and the freeze cost here, against Python's own collector
+for f in 1 0; do
+  BATCHEMBED_GC_FREEZE=$f python3 -c "import gc, time
+from batchembed.embed.engine import imports_frozen
+t = time.perf_counter()
+with imports_frozen():
     from vllm import LLM
-n = gc.get_freeze_count(); t = time.perf_counter(); froze = freeze_heap()
-print(f'after the import: {n} frozen; freeze_heap: {froze}, {gc.get_freeze_count()} frozen in {time.perf_counter() - t:.2f} s')" \
-  2> "$OUT/freeze.log" | tee "$OUT/freeze.txt"
+t1 = time.perf_counter(); n = gc.collect()
+print(f'BATCHEMBED_GC_FREEZE=$f: import {t1 - t:.2f} s, {gc.get_freeze_count()} frozen; a full collection after it {time.perf_counter() - t1:.2f} s ({n} unreachable)')" \
+    2>> "$OUT/freeze.log" | tee -a "$OUT/freeze.txt"
+done
 build() {  # build NAME [ARGS...]
   local name=$1; shift
   python3 scripts/build_profile.py --model ~/models/"$MODEL" --max-length "$LEN" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"

@@ -24,6 +24,7 @@ import os
 import shutil
 import threading
 import time
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -349,8 +350,8 @@ def _ipc_folder() -> str | None:
     return None
 
 
-# BATCHEMBED_GC_FREEZE=0: leave the garbage collector as Python sets it, during vLLM's import
-# and an engine's build (to compare; collector_paused, freeze_heap)
+# BATCHEMBED_GC_FREEZE=0: leave the garbage collector as Python sets it while vLLM is imported and
+# an engine built (to compare; imports_frozen)
 GC_FREEZE_ENV = "BATCHEMBED_GC_FREEZE"
 
 
@@ -359,39 +360,37 @@ def _collector_tuned() -> bool:
 
 
 @contextlib.contextmanager
-def collector_paused():
-    """No automatic garbage collection while vLLM is imported. Python collects its oldest
-    generation each time the objects that outlived collections grew by a quarter, so an import
-    that leaves 700,000 of them walks them about ten times over on the way: 1.3 s of `from vllm
-    import LLM`'s 6.1 s on the 2-core development machine. An import leaves little garbage;
-    freeze_heap's collection, after it, takes what there is."""
+def imports_frozen():
+    """Import vLLM (and whatever else the block does) with automatic garbage collection paused, then
+    freeze the heap, before the collector is on again. Yields a namespace whose `froze` says, after
+    the block, whether this froze the heap (not where it was frozen already: an engine process
+    inherits its forkserver's).
+
+    Paused: Python collects its oldest generation each time the objects that outlived collections
+    grew by a quarter, so an import that leaves 700,000 of them walks them about ten times on the
+    way (1.3 s of `from vllm import LLM`'s 6.1 s on the 2-core development machine).
+    Frozen (`gc.freeze`): vLLM's build runs about ten full collections (the memory profiler around
+    loading the weights, the profiling run, its own heap freeze in the worker and the engine core),
+    each walking every object of the imports; frozen, they are skipped, and a process forked after
+    this (the engine processes from their forkserver, vLLM's engine core from an engine process) no
+    longer writes to every page of that heap as it collects.
+    Frozen before the collector is on again, and without a collection first: switched on over an
+    import's objects, all still in its youngest generation, the collector's first passes walk them
+    all (a 0.43 s pass on the development machine), and a full collection before the freeze took
+    0.5 s more, for ~17,000 unreachable objects of the import that now stay (frozen, never walked).
+    Together that was +1.0 s of each Qwen3-0.6B build on an H100 (notes/performance.md, ninth session)."""
+    state = types.SimpleNamespace(froze=False)
     paused = _collector_tuned() and gc.isenabled()
     if paused:
         gc.disable()
     try:
-        yield
+        yield state
+        if _collector_tuned() and not gc.get_freeze_count():
+            gc.freeze()
+            state.froze = True
     finally:
         if paused:
             gc.enable()
-
-
-def freeze_heap() -> bool:
-    """Move what this process holds now (vLLM, torch and the rest just imported) out of the
-    garbage collector's reach before an engine is built, unless it is frozen already (an engine
-    process inherits its forkserver's). Returns whether it froze it now.
-
-    vLLM's build runs about ten full collections (around loading the weights, the profiling run,
-    its own heap freeze at the end), each walking every object of the imports (about 700,000 with
-    vLLM imported, on CPU). Frozen, they are skipped, and a process forked after this (the engine
-    processes from their forkserver, vLLM's engine core from an engine process) no longer writes
-    to every page of that heap as it collects (a two-engine CPU run's PSS: 2.07 -> 2.01 GB).
-    What is unreachable now is collected first. The engine unfreezes it once built (Engine), so
-    a program that runs jobs collects its own objects as before."""
-    if not _collector_tuned() or gc.get_freeze_count():
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 def inspect_here(architectures) -> None:
@@ -441,12 +440,12 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         bytecode.warn_if_compiling()
         t0 = time.perf_counter()
-        with collector_paused():
+        with imports_frozen() as heap:
             from vllm import LLM, PoolingParams
             from vllm.platforms import current_platform
 
             inspect_here(model.architectures)
-        froze = freeze_heap()
+        froze = heap.froze
         log.debug("the heap before the build: %d objects frozen", gc.get_freeze_count())
 
         _copy_engine_output_frames()

@@ -14,10 +14,12 @@ import time
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-from ..embed.engine import collector_paused, freeze_heap, inspect_here  # noqa: E402
+from ..embed.engine import imports_frozen, inspect_here  # noqa: E402
 from .base import ARCHITECTURES_ENV  # noqa: E402
 
-with collector_paused():
+# the heap of these imports, frozen before the engine processes are forked from it: their builds'
+# collections skip it, and they share its pages instead of each copying them as they collect
+with imports_frozen():
     _t0 = time.perf_counter()
     from vllm import LLM, PoolingParams  # noqa: F401 - the import itself is the point
 
@@ -25,6 +27,3 @@ with collector_paused():
     # the job's model class, inspected here once rather than in every engine process (0.8-1.0 s
     # each for bge-base on an H100 host)
     inspect_here(os.environ.get(ARCHITECTURES_ENV, "").split(","))
-# the heap of these imports, frozen before the engine processes are forked from it: their builds'
-# collections skip it, and they share its pages instead of each copying them as they collect
-freeze_heap()
