@@ -3,16 +3,21 @@ its rows edited (spread over every file, so no file can be copied whole), each w
 `--previous` pointing at the run before. Whole processes through the CLI, as cron runs them.
 
     .venv/bin/python scripts/reindex_benchmark.py [--rows 20000] [--changed 0.01] [--out out/reindex]
+        [--code OTHER_CHECKOUT --repeat 3]
 
 Prints wall seconds, rows embedded / reused, engine tokens and peak RSS per step,
-and writes them to OUT/results.json and OUT/results.md.
+and writes them to OUT/results.json and OUT/results.md. With --code OTHER_CHECKOUT, the edited
+step runs again --repeat times with this code and that one, alternating (medians; the
+other rows of those lines are the last run's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -24,8 +29,10 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def step(name: str, job: Path, out: Path, previous: Path | None, log) -> dict:
-    """One CLI run in a child process; peak RSS from the wrapper's waited-for descendants."""
+def step(name: str, job: Path, out: Path, previous: Path | None, log, code: Path = ROOT) -> dict:
+    """One CLI run in a child process (of batchembed at `code`); peak RSS from the wrapper's
+    waited-for descendants."""
+    subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, "-m", "batchembed.cli", "run", str(job), "--no-progress", "--set", f"output.uri={out}"]
     if previous:
         cmd += ["--previous", str(previous)]
@@ -33,7 +40,8 @@ def step(name: str, job: Path, out: Path, previous: Path | None, log) -> dict:
                "p=subprocess.run(sys.argv[1:],stdout=subprocess.PIPE,text=True);"
                "print(json.dumps({'rc':p.returncode,'wall':time.perf_counter()-t,'summary':p.stdout,"
                "'rss':resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))")
-    proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], stdout=subprocess.PIPE, stderr=log, text=True,
+                          cwd=code, env=dict(os.environ, PYTHONPATH=str(code)))
     r = json.loads(proc.stdout)
     if r["rc"] != 0:
         raise SystemExit(f"{name}: batchembed exited {r['rc']}; see the log")
@@ -63,6 +71,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--changed", type=float, default=0.01)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "reindex")
+    ap.add_argument("--code", type=Path, help="another checkout of batchembed (the code before a change): the "
+                    "edited step runs again --repeat times with each, alternating, and the medians are printed")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     out = args.out.resolve()
     corpus = out / "corpus"
@@ -85,6 +96,16 @@ def main() -> int:
         edited = edit(corpus, args.changed)
         results.append(step(f"{edited:,} rows edited ({args.changed:.0%}, every file)", job, out / "v3", out / "v2",
                             log))
+        if args.code:
+            walls: dict[str, list[float]] = {"this": [], "other": []}
+            for _ in range(args.repeat):
+                for label, code in (("this", ROOT), ("other", args.code.resolve())):
+                    r = step(f"edited again ({label} code)", job, out / "v3-again", out / "v2", log, code)
+                    walls[label].append(r["wall_s"])
+            for label, w in walls.items():
+                which = "this checkout" if label == "this" else args.code
+                results.append({**r, "step": f"{edited:,} rows edited, {label} code ({which}), median of {len(w)}: "
+                                f"{' / '.join(map(str, w))}", "wall_s": statistics.median(w)})
     machine = f"{platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores"
     try:
         machine = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Model name:")[1] \
