@@ -80,11 +80,11 @@ def inherit(p: Prepared) -> dict | None:
     and a 1 % reindex there took 12.5 / 12.9 s with the check against 11.6 / 9.9 s without.
     Returns the record written, or None (the check runs as usual)."""
     prev = p.previous
-    if prev is None or not prev.usable or not needed(p):
+    if prev is None or not prev.usable:
         return None
     theirs = prev.manifest.get("fidelity") or {}
     if (theirs.get("status") != "passed" or theirs.get("versions") != versions()
-            or theirs.get("min_cosine", 0) < p.spec.fidelity_min_cosine):
+            or theirs.get("min_cosine", 0) < p.spec.fidelity_min_cosine or not needed(p)):
         return None
     result = {**theirs, "job": p.fingerprint.digest, "min_cosine_required": p.spec.fidelity_min_cosine,
               "inherited_from": prev.uri}

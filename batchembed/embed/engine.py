@@ -380,12 +380,13 @@ def imports_frozen():
     0.5 s more, for ~17,000 unreachable objects of the import that now stay (frozen, never walked).
     Together that was +1.0 s of each Qwen3-0.6B build on an H100 (notes/performance.md, ninth session)."""
     state = types.SimpleNamespace(froze=False)
-    paused = _collector_tuned() and gc.isenabled()
+    tuned = _collector_tuned()
+    paused = tuned and gc.isenabled()
     if paused:
         gc.disable()
     try:
         yield state
-        if _collector_tuned() and not gc.get_freeze_count():
+        if tuned and not gc.get_freeze_count():
             gc.freeze()
             state.froze = True
     finally:
