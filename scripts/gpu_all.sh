@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every GPU row of the README from one run of one script on one machine, in the order a fresh
+# machine meets them, and all the results in one archive. Needs vLLM 0.24 in ~/site and the bf16
+# MiniLM in ~/models/minilm (../shared/gpu/README.md); mkmodels.py makes the other shapes (MKMODELS).
+#   bash scripts/gpu_all.sh OUT_DIR
+# In order (each its own script, which says what it measures):
+#   1. startup  QWEN=0 scripts/gpu_startup.sh: MiniLM's start on the fresh machine, cold, six engines
+#   2. qwen     scripts/gpu_tuned.sh qwen3-0.6b 512 3000 200000 1,2 20000: `tune` chooses the engines
+#               on 20,000 rows, then the 200 k-row job runs as tune wrote it (the 0.42 M target)
+#   3. bge      scripts/gpu_tuned.sh bge-base 80 500 2000000 6,8 200000 (the 1.4 M / 1.8 M targets)
+#   4. end      scripts/gpu_end.sh: how runs of one and six engines end
+#   5. build    scripts/gpu_build.sh qwen3-0.6b 512 1: a build with and without the GC switch
+# About 16 minutes on an H200, longer than one device call (10 minutes): start it in a session of
+# its own and wait for OUT_DIR/DONE over several calls, e.g.
+#   setsid bash scripts/gpu_all.sh ~/all > ~/all.log 2>&1 < /dev/null &
+# OUT_DIR/progress.txt has a line as each step starts and ends; OUT_DIR.tgz holds every step's
+# results (the cProfile dump left out) when DONE appears. CODE names the commit where the copy has no .git.
+set -uo pipefail
+OUT=${1:?usage: gpu_all.sh OUT_DIR}
+mkdir -p "$OUT"
+export MKMODELS=${MKMODELS:-../shared/gpu/mkmodels.py}
+step() {  # step NAME COMMAND...: COMMAND's output in OUT_DIR/NAME.txt, its start and end in progress.txt
+  local name=$1; shift
+  echo "$(date -u +%T) $name: $*" >> "$OUT/progress.txt"
+  "$@" > "$OUT/$name.txt" 2>&1
+  echo "$(date -u +%T) $name: exit $?" >> "$OUT/progress.txt"
+}
+echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%FT%TZ), code ${CODE:-$(git rev-parse --short HEAD 2>/dev/null)}" \
+  > "$OUT/progress.txt"
+[ -d ~/models/bge-base ] || step mkmodels python3 "$MKMODELS" ~/models/minilm ~/models
+step startup env QWEN=0 bash scripts/gpu_startup.sh "$OUT/startup"
+step qwen bash scripts/gpu_tuned.sh "$OUT/qwen" qwen3-0.6b 512 3000 200000 1,2 20000
+step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 2000000 6,8 200000
+step end bash scripts/gpu_end.sh "$OUT/end"
+step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1
+rm -f "$OUT"/*.tgz
+tar czf "$OUT.tgz" --exclude build.prof -C "$(dirname "$OUT")" "$(basename "$OUT")"
+touch "$OUT/DONE"
