@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
 # process of its own), with and without the start-up changes to the garbage collector (vLLM's
-# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE), alternating; then
+# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE), alternating; vLLM's
+# import alone with and without those and the packages no engine uses (BATCHEMBED_LEAN_IMPORT); then
 # one build with the engine core in the process, timed, and one under cProfile, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
 # the bge-base and Qwen3-0.6B shapes).
@@ -26,16 +27,20 @@ cat > "$OUT/vllm-logging.json" <<'JSON'
 JSON
 export VLLM_LOGGING_CONFIG_PATH=$OUT/vllm-logging.json
 bash scripts/gpu_bytecode.sh
-# what the paused import and the freeze cost here, against Python's own collector
-for f in 1 0; do
-  BATCHEMBED_GC_FREEZE=$f python3 -c "import gc, time
-from batchembed.embed.engine import imports_frozen
+# what the paused import and the freeze cost here, against Python's own collector, and what the
+# packages no engine uses cost (BATCHEMBED_LEAN_IMPORT), twice each
+for i in 1 2; do
+  for e in "BATCHEMBED_GC_FREEZE=1 BATCHEMBED_LEAN_IMPORT=1" "BATCHEMBED_GC_FREEZE=1 BATCHEMBED_LEAN_IMPORT=0" \
+           "BATCHEMBED_GC_FREEZE=0 BATCHEMBED_LEAN_IMPORT=0"; do
+    env $e python3 -c "import gc, sys, time
+from batchembed.embed.engine import imports_frozen, unused_packages_hidden
 t = time.perf_counter()
-with imports_frozen():
+with imports_frozen(), unused_packages_hidden():
     from vllm import LLM
 t1 = time.perf_counter(); n = gc.collect()
-print(f'BATCHEMBED_GC_FREEZE=$f: import {t1 - t:.2f} s, {gc.get_freeze_count()} frozen; a full collection after it {time.perf_counter() - t1:.2f} s ({n} unreachable)')" \
-    2>> "$OUT/freeze.log" | tee -a "$OUT/freeze.txt"
+print(f'$e: import {t1 - t:.2f} s, {gc.get_freeze_count()} frozen, scipy {\"scipy\" in sys.modules}; a full collection after it {time.perf_counter() - t1:.2f} s ({n} unreachable)')" \
+      2>> "$OUT/freeze.log" | tee -a "$OUT/freeze.txt"
+  done
 done
 build() {  # build NAME [ARGS...]
   local name=$1; shift

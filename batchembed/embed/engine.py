@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import types
@@ -394,6 +395,35 @@ def imports_frozen():
             gc.enable()
 
 
+# BATCHEMBED_LEAN_IMPORT=0: let vLLM's import pull in the optional packages below (to compare)
+LEAN_IMPORT_ENV = "BATCHEMBED_LEAN_IMPORT"
+# imported by vLLM and transformers at their own import where installed, for work an embedding
+# engine never does: scikit-learn for transformers' assisted generation (roc_curve), SciPy for
+# its object-detection losses and vLLM's audio resampling. Both guard the import (the code just
+# goes without), and sentence-transformers installs both. 1.3 s of vLLM's 7.2 s import on the
+# 2-core development machine (notes/performance.md, tenth session).
+UNUSED_BY_ENGINES = ("sklearn", "scipy")
+
+
+@contextlib.contextmanager
+def unused_packages_hidden():
+    """Import vLLM (the block) as if `UNUSED_BY_ENGINES` were not installed: a `None` in
+    `sys.modules` is what `importlib.util.find_spec` and `import` read as missing. Only packages
+    that this process has not imported already, and only for the block: afterwards an `import`
+    of them works as before (the process of a library user's own code, an engine in the run's
+    process)."""
+    hidden = []
+    if os.environ.get(LEAN_IMPORT_ENV, "1") != "0":
+        hidden = [name for name in UNUSED_BY_ENGINES if name not in sys.modules]
+        sys.modules.update(dict.fromkeys(hidden))
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
 def inspect_here(architectures) -> None:
     """Have vLLM inspect the model's class in this process, where vLLM is imported already.
 
@@ -441,7 +471,7 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         bytecode.warn_if_compiling()
         t0 = time.perf_counter()
-        with imports_frozen() as heap:
+        with imports_frozen() as heap, unused_packages_hidden():
             from vllm import LLM, PoolingParams
             from vllm.platforms import current_platform
 

@@ -14,12 +14,13 @@ import time
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-from ..embed.engine import imports_frozen, inspect_here  # noqa: E402
+from ..embed.engine import imports_frozen, inspect_here, unused_packages_hidden  # noqa: E402
 from .base import ARCHITECTURES_ENV  # noqa: E402
 
 # the heap of these imports, frozen before the engine processes are forked from it: their builds'
-# collections skip it, and they share its pages instead of each copying them as they collect
-with imports_frozen():
+# collections skip it, and they share its pages instead of each copying them as they collect; the packages
+# no engine uses left out of it (unused_packages_hidden)
+with imports_frozen(), unused_packages_hidden():
     _t0 = time.perf_counter()
     from vllm import LLM, PoolingParams  # noqa: F401 - the import itself is the point
 
