@@ -8,6 +8,8 @@ import sys
 import yaml
 from helpers import job_dict, read_output, write_parquet
 
+from batchembed.embed.engine import cpu_dtype, cpu_flags
+
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 
 
@@ -21,7 +23,8 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         # vLLM's cache as a fresh machine has it: empty
         env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-        proc = subprocess.Popen([BIN, "--log-level", "debug", "run", str(job), "--set", "embedding.dimensions=[64]"],
+        proc = subprocess.Popen([BIN, "--log-level", "debug", "run", str(job), "--set", "embedding.dimensions=[64]",
+                                 "--set", "model.dtype=auto"],
                                 stdout=out, stderr=err, start_new_session=True, env=env)
         rc = proc.wait(timeout=300)
     stderr = (tmp_path / "stderr").read_text()
@@ -39,6 +42,10 @@ def test_run_exits_0_with_summary_and_json(tmp_path):
     assert not (tmp_path / "vllm-cache" / "modelinfos").exists()
     assert stderr.count("vLLM inspected the model class vllm.model_executor.models.bert.BertEmbeddingModel in "
                         "this process") == 1
+    # model.dtype auto: the narrowest float this CPU computes natively, not vLLM's float16 for every x86 CPU
+    native = cpu_dtype("auto", cpu_flags())
+    assert native == "auto" or (f"model.dtype auto on this CPU: {native}" in stderr
+                                and f"'dtype': '{native}'" in stderr), stderr[-3000:]
 
 
 def test_validate_and_plan_load_no_engine(tmp_path):

