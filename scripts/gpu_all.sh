@@ -10,6 +10,8 @@
 #   3. bge      scripts/gpu_tuned.sh bge-base 80 500 2000000 6,8 200000 (the 1.4 M / 1.8 M targets)
 #   4. end      scripts/gpu_end.sh: how runs of one and six engines end
 #   5. build    scripts/gpu_build.sh qwen3-0.6b 512 1: a build with and without the GC switch
+# STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
+# on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
 # About 16 minutes on an H200, longer than one device call (10 minutes): start it in a session of
 # its own and wait for OUT_DIR/DONE over several calls, e.g.
 #   setsid bash scripts/gpu_all.sh ~/all > ~/all.log 2>&1 < /dev/null &
@@ -28,11 +30,16 @@ step() {  # step NAME COMMAND...: COMMAND's output in OUT_DIR/NAME.txt, its star
 echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%FT%TZ), code ${CODE:-$(git rev-parse --short HEAD 2>/dev/null)}" \
   > "$OUT/progress.txt"
 [ -d ~/models/bge-base ] || step mkmodels python3 "$MKMODELS" ~/models/minilm ~/models
-step startup env QWEN=0 bash scripts/gpu_startup.sh "$OUT/startup"
-step qwen bash scripts/gpu_tuned.sh "$OUT/qwen" qwen3-0.6b 512 3000 200000 1,2 20000
-step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 2000000 6,8 200000
-step end bash scripts/gpu_end.sh "$OUT/end"
-step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1
+for name in ${STEPS:-startup qwen bge end build}; do
+  case $name in
+    startup) step startup env QWEN=0 bash scripts/gpu_startup.sh "$OUT/startup" ;;
+    qwen) step qwen bash scripts/gpu_tuned.sh "$OUT/qwen" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
+    bge) step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 2000000 6,8 200000 ;;
+    end) step end bash scripts/gpu_end.sh "$OUT/end" ;;
+    build) step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1 ;;
+    *) echo "unknown step: $name" >> "$OUT/progress.txt" ;;
+  esac
+done
 rm -f "$OUT"/*.tgz
 tar czf "$OUT.tgz" --exclude build.prof -C "$(dirname "$OUT")" "$(basename "$OUT")"
 touch "$OUT/DONE"
