@@ -95,9 +95,9 @@ def cpu_dtype(dtype: str, flags: set[str] | None) -> str:
     """`model.dtype: auto` on a CPU with these feature flags: the narrowest float it computes
     natively, bf16 before fp16 before fp32. Left to vLLM, auto gives a pooling model float16
     on every x86 CPU, which computes it natively only with avx512_fp16 (Sapphire Rapids and
-    later): MiniLM ran at 1.6 k tok/s in float16 on a 2-core AMD EPYC, 8.2 k in float32 and 14 k
-    in bfloat16 (notes/performance.md, tenth session). Where the flags are unknown (not x86),
-    vLLM chooses."""
+    later): the MiniLM engine ran 1.6 k tok/s in float16 on a 2-core AMD EPYC, 7.6 k in float32
+    and 12.6 k in bfloat16 (scripts/benchmark.py --variants a; notes/performance.md, 2026-12-06).
+    Where the flags are unknown (not x86), vLLM chooses."""
     if dtype != "auto" or flags is None:
         return dtype
     if flags & {"avx512_bf16", "amx_bf16"}:
