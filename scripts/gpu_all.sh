@@ -10,6 +10,7 @@
 #   3. bge      scripts/gpu_tuned.sh bge-base 80 500 2000000 6,8 200000 (the 1.4 M / 1.8 M targets)
 #   4. end      scripts/gpu_end.sh: how runs of one and six engines end
 #   5. build    scripts/gpu_build.sh qwen3-0.6b 512 1: a build with and without the GC switch
+# and, named in STEPS only, imports: gpu_build.sh's timings of vLLM's import alone (REPEAT 0)
 # STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
 # on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
 # About 16 minutes on an H200, longer than one device call (10 minutes): start it in a session of
@@ -36,6 +37,7 @@ for name in ${STEPS:-startup qwen bge end build}; do
     qwen) step qwen bash scripts/gpu_tuned.sh "$OUT/qwen" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
     bge) step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 2000000 6,8 200000 ;;
     end) step end bash scripts/gpu_end.sh "$OUT/end" ;;
+    imports) step imports bash scripts/gpu_build.sh "$OUT/imports" qwen3-0.6b 512 0 ;;
     build) step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1 ;;
     *) echo "unknown step: $name" >> "$OUT/progress.txt" ;;
   esac

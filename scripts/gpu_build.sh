@@ -6,7 +6,7 @@
 # one build with the engine core in the process, timed, and one under cProfile, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
 # the bge-base and Qwen3-0.6B shapes).
-#   bash scripts/gpu_build.sh OUT_DIR MODEL MAX_LENGTH [REPEAT (2)]
+#   bash scripts/gpu_build.sh OUT_DIR MODEL MAX_LENGTH [REPEAT (2); 0: vLLM's imports alone, no build]
 #   e.g. bash scripts/gpu_build.sh out/b qwen3-0.6b 512
 # The first build compiles where vLLM's cache is cold and is not counted. Writes OUT_DIR/ab.jsonl
 # (one line a build: import_s, build_s, the switch), profile.txt (the top functions), build.prof,
@@ -42,6 +42,7 @@ print(f'$e: import {t1 - t:.2f} s, {gc.get_freeze_count()} frozen, scipy {\"scip
       2>> "$OUT/freeze.log" | tee -a "$OUT/freeze.txt"
   done
 done
+[ "$REPEAT" = 0 ] && exit 0  # REPEAT 0: the imports alone
 build() {  # build NAME [ARGS...]
   local name=$1; shift
   python3 scripts/build_profile.py --model ~/models/"$MODEL" --max-length "$LEN" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
