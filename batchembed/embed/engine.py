@@ -422,8 +422,8 @@ LEAN_IMPORT_ENV = "BATCHEMBED_LEAN_IMPORT"
 # imported by vLLM and transformers at their own import where installed, for work an embedding
 # engine never does: scikit-learn for transformers' assisted generation (roc_curve), SciPy for
 # its object-detection losses and vLLM's audio resampling. Both guard the import (the code just
-# goes without), and sentence-transformers installs both. 1.3 s of vLLM's 7.2 s import on the
-# 2-core development machine (notes/performance.md, tenth session).
+# goes without), and sentence-transformers installs both. 0.7-0.9 s of a 5.4-5.9 s import on the
+# 2-core development machine (notes/performance.md, 2026-12-06).
 UNUSED_BY_ENGINES = ("sklearn", "scipy")
 
 
