@@ -287,7 +287,8 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
                  {k: result[k] for k in ("rows", "min_cosine", "mean_cosine") if k in result})
     if result["status"] == "failed":
         raise RunError(f"fidelity check failed for {p.model.path}: {result['reason']}. The engine may pool "
-                       "differently, skip a module or a default prompt of the model; nothing was written. "
+                       "differently, skip a module or a default prompt of the model, or compute in too narrow "
+                       f"a float for it (model.dtype {p.spec.model.dtype}; try float32); nothing was written. "
                        "Set fidelity_check: off to run anyway")
     p.out.write_json(FIDELITY, result)
     return result
