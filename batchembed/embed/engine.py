@@ -85,10 +85,9 @@ def cpu_flags() -> set[str] | None:
     return set(flags.partition(":")[2].split()) or None
 
 
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX); unknown counts as yes."""
-    flags = cpu_flags()
-    return flags is None or bool(flags & {"avx512_bf16", "amx_bf16"})
+# the flags of x86 CPUs that compute bf16 / fp16 natively
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+FP16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
 
 
 def cpu_dtype(dtype: str, flags: set[str] | None) -> str:
@@ -100,9 +99,9 @@ def cpu_dtype(dtype: str, flags: set[str] | None) -> str:
     Where the flags are unknown (not x86), vLLM chooses."""
     if dtype != "auto" or flags is None:
         return dtype
-    if flags & {"avx512_bf16", "amx_bf16"}:
+    if flags & BF16_FLAGS:
         return "bfloat16"
-    if flags & {"avx512_fp16", "amx_fp16"}:
+    if flags & FP16_FLAGS:
         return "float16"
     return "float32"
 
@@ -506,10 +505,11 @@ class Engine:
         self.key = EngineKey(str(model.path), dtype, max_length)
         self.dimension = model.dimension
         self.on_cpu = current_platform.is_cpu()
-        if self.on_cpu and dtype != (native := cpu_dtype(dtype, cpu_flags())):
+        flags = cpu_flags() if self.on_cpu else None
+        if self.on_cpu and dtype != (native := cpu_dtype(dtype, flags)):
             log.info("model.dtype %s on this CPU: %s, the narrowest float it computes natively", dtype, native)
             dtype = native
-        if self.on_cpu and dtype in ("bfloat16", "bf16") and not _cpu_has_bf16():
+        if dtype in ("bfloat16", "bf16") and flags is not None and not flags & BF16_FLAGS:
             log.warning("model.dtype %s on a CPU without avx512_bf16 or AMX: bf16 is emulated there, "
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
                         "model.dtype: float32", dtype)
