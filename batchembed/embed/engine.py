@@ -509,6 +509,9 @@ class Engine:
         if self.on_cpu and dtype != (native := cpu_dtype(dtype, flags)):
             log.info("model.dtype %s on this CPU: %s, the narrowest float it computes natively", dtype, native)
             dtype = native
+        # the precision it computes in: the job's, or on a CPU what auto resolved to (a fidelity
+        # check vouches for it, fidelity.inherit)
+        self.dtype = dtype
         if dtype in ("bfloat16", "bf16") and flags is not None and not flags & BF16_FLAGS:
             log.warning("model.dtype %s on a CPU without avx512_bf16 or AMX: bf16 is emulated there, "
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
