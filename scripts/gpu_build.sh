@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
 # process of its own), with and without the start-up changes to the garbage collector (vLLM's
-# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE), alternating; vLLM's
+# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE) and the lean import
+# (BATCHEMBED_LEAN_IMPORT; each RESULT says whether the build imported those packages after all), alternating; vLLM's
 # import alone with and without those and the packages no engine uses (BATCHEMBED_LEAN_IMPORT); then
 # one build with the engine core in the process, timed, and one under cProfile, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
@@ -51,10 +52,12 @@ echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(
 build first --set engine.in_process=false
 echo "first (compiles where the cache is cold): $(grep -h '^RESULT ' "$OUT/first.txt")"
 : > "$OUT/ab.jsonl"
-for i in $(seq "$REPEAT"); do
-  for f in 0 1; do
-    BATCHEMBED_GC_FREEZE=$f build "freeze$f-$i" --set engine.in_process=false
-    grep -h '^RESULT ' "$OUT/freeze$f-$i.txt" | sed "s/^RESULT {/{\"gc_freeze\": $f, /" | tee -a "$OUT/ab.jsonl"
+for i in $(seq "$REPEAT"); do  # both switches on; the lean import off; both off
+  for fl in 11 10 00; do
+    f=${fl:0:1} l=${fl:1:1}
+    BATCHEMBED_GC_FREEZE=$f BATCHEMBED_LEAN_IMPORT=$l build "freeze$f-lean$l-$i" --set engine.in_process=false
+    grep -h '^RESULT ' "$OUT/freeze$f-lean$l-$i.txt" | sed "s/^RESULT {/{\"gc_freeze\": $f, \"lean_import\": $l, /" \
+      | tee -a "$OUT/ab.jsonl"
   done
 done
 # the engine core in the engine's process (the CPU default), timed, for what the core's own process costs
