@@ -381,6 +381,17 @@ def _collector_tuned() -> bool:
     return os.environ.get(GC_FREEZE_ENV, "1") != "0"
 
 
+# whether imports_frozen froze this process's heap (inherited by a process forked after it), until
+# an unfreeze_heap()
+_heap_frozen = False
+
+
+def unfreeze_heap() -> None:
+    global _heap_frozen
+    gc.unfreeze()
+    _heap_frozen = False
+
+
 @contextlib.contextmanager
 def imports_frozen():
     """Import vLLM (and whatever else the block does) with automatic garbage collection paused, then
@@ -400,7 +411,11 @@ def imports_frozen():
     import's objects, all still in its youngest generation, the collector's first passes walk them
     all (a 0.43 s pass on the development machine), and a full collection before the freeze took
     0.5 s more, for ~17,000 unreachable objects of the import that now stay (frozen, never walked).
-    Together that was +1.0 s of each Qwen3-0.6B build on an H100 (notes/performance.md, ninth session)."""
+    Together that was +1.0 s of each Qwen3-0.6B build on an H100 (notes/performance.md, ninth session).
+    Whether the heap is frozen already is this module's to know, not `gc.get_freeze_count()`'s: the
+    lent GPU machines' Python starts with 375 objects frozen, and the freeze read that as done and
+    never froze the import there (notes/performance.md, 2026-12-06)."""
+    global _heap_frozen
     state = types.SimpleNamespace(froze=False)
     tuned = _collector_tuned()
     paused = tuned and gc.isenabled()
@@ -408,9 +423,10 @@ def imports_frozen():
         gc.disable()
     try:
         yield state
-        if tuned and not gc.get_freeze_count():
+        # frozen by this module and still frozen (an in-process engine's vLLM unfreezes at its shutdown)
+        if tuned and not (_heap_frozen and gc.get_freeze_count()):
             gc.freeze()
-            state.froze = True
+            state.froze = _heap_frozen = True
     finally:
         if paused:
             gc.enable()
@@ -561,14 +577,14 @@ class Engine:
             self.processes = _engine_processes(before)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             if froze:
-                gc.unfreeze()
+                unfreeze_heap()
             self._remove_ipc_dir()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         if froze and not self.in_process:
             # built: the program that runs the job collects its objects as before (an engine in this
             # process is left to vLLM, which froze the heap again as its build ended and unfreezes it
             # at its shutdown)
-            gc.unfreeze()
+            unfreeze_heap()
         # where start-up goes: the import is paid once per process, the build (engine process,
         # weights, compile or its cache) once per engine
         log.info("vLLM engine %d/%d up: import %.1f s, build %.1f s%s", replica + 1, replicas, t1 - t0 - waited,
