@@ -38,7 +38,8 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info, capl
     assert default_in_process(EngineSpec(), on_cpu=True) and not default_in_process(EngineSpec(), on_cpu=False)
     assert not engine.in_process and engine.processes  # the session's engine, made with in_process: false
     # the heap is frozen for a build only: a program that runs jobs collects its objects as before
-    assert gc.get_freeze_count() == 0
+    # (Python 3.12 starts with a few hundred objects frozen)
+    assert gc.get_freeze_count() < 1000
     waits = []  # on CPU the build waits for what must be off the cores first (the fidelity reference)
     caplog.set_level(logging.DEBUG, logger="batchembed.embed.engine")
     with Engine(model_info, "float32", model_info.max_length, EngineSpec(), cpu_wait=lambda: waits.append(1)) as eng:
@@ -75,6 +76,7 @@ def test_vllm_is_imported_without_walking_the_heap_over_and_over():
         "import gc, os, sys\n"
         "if os.environ['FOREIGN'] == '1':\n"
         "    gc.freeze()\n"
+        "start = gc.get_freeze_count()\n"
         "full = []\n"
         "gc.callbacks.append(lambda phase, info: phase == 'start' and info['generation'] == 2 and full.append(1))\n"
         "from batchembed.embed.engine import imports_frozen\n"
@@ -82,7 +84,7 @@ def test_vllm_is_imported_without_walking_the_heap_over_and_over():
         "    from vllm import LLM\n"
         "with imports_frozen() as again:\n"
         "    pass\n"
-        "print(len(full), gc.isenabled(), heap.froze, again.froze, gc.get_freeze_count(), len(gc.get_objects()))\n"
+        "print(len(full), gc.isenabled(), heap.froze, again.froze, gc.get_freeze_count() - start, len(gc.get_objects()))\n"
     )
     runs = {}
     for tuned, foreign in (("1", "0"), ("1", "1"), ("0", "0")):
