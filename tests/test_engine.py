@@ -84,7 +84,8 @@ def test_vllm_is_imported_without_walking_the_heap_over_and_over():
         "    from vllm import LLM\n"
         "with imports_frozen() as again:\n"
         "    pass\n"
-        "print(len(full), gc.isenabled(), heap.froze, again.froze, gc.get_freeze_count() - start, len(gc.get_objects()))\n"
+        "print(len(full), gc.isenabled(), heap.froze, again.froze, gc.get_freeze_count() - start,\n"
+        "      len(gc.get_objects()))\n"
     )
     runs = {}
     for tuned, foreign in (("1", "0"), ("1", "1"), ("0", "0")):
