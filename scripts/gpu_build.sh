@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One engine's build on the GPU machine, as an engine process of a run builds it (its engine core a
 # process of its own), with and without the start-up changes to the garbage collector (vLLM's
-# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE) and the lean import
-# (BATCHEMBED_LEAN_IMPORT; each RESULT says whether the build imported those packages after all), alternating; vLLM's
-# import alone with and without those and the packages no engine uses (BATCHEMBED_LEAN_IMPORT); then
+# import with it paused and the heap frozen after it: BATCHEMBED_GC_FREEZE) and without the packages
+# no engine uses (BATCHEMBED_LEAN_IMPORT; each RESULT says whether the build imported them after
+# all), alternating; vLLM's import alone with and without both; then
 # one build with the engine core in the process, timed, and one under cProfile, for where the time goes.
 # Needs vLLM 0.24 in ~/site and the model in ~/models (../shared/gpu/README.md; mkmodels.py for
 # the bge-base and Qwen3-0.6B shapes).
