@@ -172,50 +172,6 @@ def test_the_reader_waits_one_window_ahead_while_the_engine_is_built(tmp_path, f
     assert not pipeline.embedder.building.is_set()
 
 
-@pytest.mark.parametrize("claim_late", [True, False])
-def test_near_the_end_a_reader_takes_a_part_only_once_its_engine_has_no_more_than_it_keeps_in_flight(
-        tmp_path, fake, monkeypatch, claim_late):
-    # taken as soon as the previous part was read, a part waits behind up to six windows of its
-    # engine's, and engines that hold unequal queues as the list runs out end apart (eight bge-base
-    # engines on an H100: 3.0 s against a window's 2.7 s); before the end the reader reads ahead
-    import queue
-    import time
-
-    from batchembed.job import prepare
-    from batchembed.pipeline import Pipeline, read
-
-    monkeypatch.setattr(read, "CLAIM_LATE", claim_late)
-    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(160)), "text": [f"t {i}" for i in range(160)]},
-                  row_group_size=10)
-    p = prepare(_job(tmp_path, engine={"sort_window_rows": 10}, output={"rows_per_part": 10}))
-    assert len(p.tasks) == 16 and p.spec.engine.windows_in_flight == 2
-    step = fake.step
-    fake.step = lambda: time.sleep(0.03) or step()  # the engine slower than the reader
-
-    class Tasks(queue.Queue):
-        def few_left(self):
-            return self.qsize() <= 8
-
-    tasks = Tasks()
-    for t in p.tasks:
-        tasks.put(t)
-    pipeline = Pipeline(p, lambda: fake)
-    ahead = []  # (the run's end?, windows waiting for the engine and on it) at each part taken
-    get = tasks.get_nowait
-
-    def get_nowait():
-        taken, on_engine = pipeline.embedder.state()
-        ahead.append((tasks.few_left(), pipeline.reader.windows_put - taken + on_engine))
-        return get()
-
-    tasks.get_nowait = get_nowait
-    assert len(pipeline.run(tasks, lambda step: None)) == 16 and fake.sequences == 160
-    before = [n for end, n in ahead if not end]
-    at_end = [n for end, n in ahead if end]
-    assert len(at_end) == 9 and max(before) > 2  # reading ahead until then
-    assert (max(at_end) <= 2) == claim_late
-
-
 def test_an_engine_that_cannot_be_replaced_names_the_failure_it_was_to_replace(tmp_path, model_info, monkeypatch):
     # the replacement's own error (on CPU: memory the dead in-process engine still holds) must
     # not hide the first failure, which is the cause

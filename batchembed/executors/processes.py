@@ -50,22 +50,12 @@ class _Flag:
         self._v.value = 1
 
 
-# The run's end, for the readers' claim-late (pipeline/read.py): once the parts not yet handed out
-# are no more than this many per engine
-END_PARTS_PER_ENGINE = 4
-
-
 class _Tasks:
     """The pipeline's view of the parent's task list: it asks the parent for a part and gets its
-    id (or None: no more) on its own queue, and turns it into this worker's own Task. `left`: the
-    parts not yet handed out (the parent's count, shared)."""
+    id (or None: no more) on its own queue, and turns it into this worker's own Task."""
 
-    def __init__(self, replica: int, ask, answers, tasks: dict[str, Task], left, replicas: int):
+    def __init__(self, replica: int, ask, answers, tasks: dict[str, Task]):
         self.replica, self.ask, self.answers, self.tasks = replica, ask, answers, tasks
-        self.left, self.replicas = left, replicas
-
-    def few_left(self) -> bool:
-        return self.left.value <= END_PARTS_PER_ENGINE * self.replicas
 
     def get_nowait(self) -> Task:
         self.ask.put(("want", self.replica))
@@ -111,7 +101,7 @@ def _share_cores(replicas: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, cores // replicas)))
 
 
-def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, left, results_q,
+def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
             start_lock: str, stop, spawned_at: float, reference, run_pid: int) -> None:
     procguard.die_with_parent()  # with the forkserver
     # its parent is the forkserver, which outlives the run while any engine process lives: a
@@ -139,7 +129,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
                  "in %.1f s)", replica, time.time() - spawned_at, preload.IMPORT_SECONDS)
         worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference)
         try:
-            worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}, left, replicas),
+            worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
                        lambda step: results_q.put(("progress", replica, step)), stop)
         finally:
             t = time.perf_counter()
@@ -253,7 +243,6 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     # moment, each finishing a small part (longest-processing-time-first); taken from the end
     todo = [t.part_id for t in sorted(pending, key=lambda t: -t.num_rows)]
     todo.reverse()
-    left = ctx.RawValue("i", len(todo))  # len(todo), for the workers (_Tasks.few_left)
     taken: dict[int, list[str]] = {i: [] for i in range(replicas)}
     names = {t.part_id: p.out.part_name(t) for t in pending}
     by_id = {t.part_id: t for t in pending}
@@ -264,7 +253,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
         global _engines_started
         _engines_started = True
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
-                        args=(spec, i, replicas, level, json_logging(), answers[i], left, results_q, start_lock, stop,
+                        args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
                               time.time(), reference.file() if reference else None, os.getpid()))
         w.start()
         return w
@@ -302,7 +291,6 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
                     log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go "
                                 "back to the list", why, restarts, p.spec.engine.max_restarts, len(lost))
                     todo += lost
-                    left.value = len(todo)
                     taken[i] = []
                     workers[i] = start(i)
                 continue
@@ -311,7 +299,6 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
                 part = None if stop.is_set() or not todo else todo.pop()
                 if part is not None:
                     taken[replica].append(part)
-                    left.value = len(todo)
                 answers[replica].put(part)
             elif kind == "progress":
                 progress(msg[2])

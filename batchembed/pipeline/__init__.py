@@ -40,7 +40,6 @@ class Pipeline:
         self.embedder = EmbedStage(p, engine_source, replace_engine)
         self.writer = WriteStage(p)
         self.reader.building = self.embedder.building
-        self.reader.engine_state = self.embedder.state
         self.records: dict[str, dict] = {}  # part name -> commit record, over every run
         self.failed: list[dict] = []
 
@@ -123,11 +122,6 @@ class _Watched:
             return task
         finally:
             self.asked.set()
-
-    @property
-    def few_left(self):
-        """The tasks' few_left() where they have one (the executor's last parts: read.py), else None."""
-        return getattr(self.tasks, "few_left", None)
 
     def any_task(self) -> bool:
         """Whether the reader got a task, once it has asked (False if the run stops first)."""

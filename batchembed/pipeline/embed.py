@@ -59,7 +59,6 @@ class EmbedStage:
         self.output_wait_seconds = 0.0  # ... and for room in the writer's queue
         self.calls: list[tuple[float, float, int]] = []  # (start, end, tokens): busy spans, one per window
         self._on_engine: deque[Window] = deque()  # windows with vectors still to come, oldest first
-        self.windows_taken = 0  # from q_in in this run (the reader's claim-late, read.py)
         self._busy_since = 0.0
         self._coming: dict[int, tuple[Window, int]] = {}  # text hash -> (window on the engine, unique index)
         # set while an engine is being built (the first, or a replacement): the reader then reads
@@ -195,7 +194,6 @@ class EmbedStage:
         `has_work()`: whether the run has any task (it may wait for the reader's first ask)."""
         depth = self.p.spec.engine.windows_in_flight
         held: deque = deque()  # items taken, in order, not yet handed to the writer
-        self.windows_taken = 0
         ended = False
         if self.engine is None and self.p.previous is None and has_work():
             # Without a previous output to reuse from, a run's rows need the engine: it starts now,
@@ -229,7 +227,6 @@ class EmbedStage:
                     ended = True
                     break
                 if isinstance(item[1], pa.RecordBatch):
-                    self.windows_taken += 1
                     self._start_window(item[2])
                 held.append(item)
                 if not self._on_engine:
@@ -238,10 +235,6 @@ class EmbedStage:
                 if stop.is_set():
                     return
                 self._step()
-
-    def state(self) -> tuple[int, int]:
-        """(windows taken from q_in in this run, windows on the engine now), for the reader."""
-        return self.windows_taken, len(self._on_engine)
 
     def reset(self) -> None:
         """After a run, failed or not: nothing of it stays queued on the engine."""

@@ -9,7 +9,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,28 +35,16 @@ log = logging.getLogger(__name__)
 # rest is tokenised while the engines run.
 READ_AHEAD_WHILE_BUILDING = int(os.environ.get("BATCHEMBED_READ_AHEAD_WHILE_BUILDING", "1"))
 
-# Near a multi-engine run's end (the tasks' few_left(): the executor's last parts), the next part
-# is taken only once nothing waits for this engine beyond the windows on it. Taken as soon as the
-# previous part is read, a part waits behind up to six windows of this engine's, and engines that
-# hold unequal queues as the list runs out end apart: eight bge-base engines on an H100 ended 3.0 s
-# apart against a window's 2.7 s (notes/performance.md). BATCHEMBED_CLAIM_LATE=0 turns it off.
-CLAIM_LATE = os.environ.get("BATCHEMBED_CLAIM_LATE", "1") != "0"
-
 
 class ReadStage:
     def __init__(self, p: Prepared):
         self.p = p
         self.tokenizer = p.tokenizer()
         self.building: threading.Event | None = None  # set while the engine is being built (embed.py)
-        # (windows the engine stage has taken from q_in in this run, windows on the engine now): embed.py
-        self.engine_state: Callable[[], tuple[int, int]] = lambda: (self.windows_put, 0)
-        self.windows_put = 0  # onto q_in in this run
 
     def run(self, tasks, q_in: queue.Queue, stop) -> None:
         """Every task of `tasks` (get_nowait until queue.Empty) onto q_in as windows, then END."""
-        self.windows_put = 0
         while True:
-            self._wait_to_claim(tasks, q_in, stop)
             try:
                 task = tasks.get_nowait()
             except queue.Empty:
@@ -83,7 +70,6 @@ class ReadStage:
                     window.filtered = dropped
                     if not put(q_in, (task, batch, window), stop):
                         return False
-                    self.windows_put += 1
                     sent = True
                 return put(q_in, (task, None, None), stop)
             except RunError as e:
@@ -106,19 +92,6 @@ class ReadStage:
                 if index is not None:
                     index.close()
         return False
-
-    def _wait_to_claim(self, tasks, q_in: queue.Queue, stop) -> None:
-        """Near the run's end, wait until the windows waiting for the engine and on it are no more
-        than it keeps in flight (CLAIM_LATE); the part is then tokenised while those run."""
-        few_left = getattr(tasks, "few_left", None)
-        if not CLAIM_LATE or few_left is None:
-            return
-        depth = self.p.spec.engine.windows_in_flight
-        while few_left() and not stop.is_set():
-            taken, on_engine = self.engine_state()
-            if self.windows_put - taken + on_engine <= depth:
-                return
-            time.sleep(0.02)
 
     def _pace(self, q_in: queue.Queue, stop) -> None:
         """While the engine is being built, wait once READ_AHEAD_WHILE_BUILDING windows are ready."""
