@@ -37,13 +37,16 @@ class RunResult:
     steady_tokens_per_s: float | None = None
     throughput: list = field(default_factory=list)
     tail_seconds: float | None = None  # from the first engine's last call to the last engine's
-    window_seconds: float | None = None  # the median engine call (one window's work)
+    window_seconds: float | None = None  # a full window's work (see tail)
 
 
 def tail(calls: list[Calls]) -> tuple[float | None, float | None]:
-    """(tail, window): how long the first engine to run out of work waited for the last one,
-    and the median call, a window's work. With one engine, no tail."""
-    flat = [t1 - t0 for c in calls for t0, t1, _ in c]
+    """(tail, window): how long the first engine to run out of work waited for the last one, and
+    a full window's work: the median call of those with at least half the tokens of the largest.
+    A part's last window is often a remnant (parts of 11,000 rows: a window of 8,192 rows and one
+    of 2,808), and the median of every call then fell between the two. With one engine, no tail."""
+    largest = max((n for c in calls for _, _, n in c), default=0)
+    flat = [t1 - t0 for c in calls for t0, t1, n in c if 2 * n >= largest]
     window = round(float(np.median(flat)), 3) if flat else None
     if len(calls) < 2:
         return None, window
@@ -138,7 +141,7 @@ class Stats:
     engine_seconds: float = 0.0  # inside engine calls; engine idle share = 1 - this / pipeline_seconds
     steady_tokens_per_s: float | None = None  # while every engine was running (see steady_rate)
     tail_seconds: float | None = None  # engines done waiting for the last one (see tail)
-    window_seconds: float | None = None  # one window's work, the median engine call
+    window_seconds: float | None = None  # a full window's work (see tail)
     throughput: list = field(default_factory=list)  # [seconds, tok/s] per time slice; in the manifest only
     index: dict | None = None  # output.index as built (or kept) by this run, with its build seconds
 

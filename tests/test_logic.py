@@ -43,6 +43,9 @@ def test_the_tail_is_how_long_the_first_engine_done_waited_for_the_last():
     b = [(0.5, 1.5, 100), (1.5, 4.5, 100)]
     assert tail([a, b]) == (1.5, 1.0)  # a ended at 3.0, b at 4.5; the median call takes 1 s
     assert tail([a]) == (None, 1.0) and tail([]) == (None, None)
+    # parts of a window and a remnant each: a window's work is a full window's, not the median of all
+    full, rest = (0.0, 2.0, 1000), (2.0, 2.6, 300)
+    assert tail([[full, rest, full, rest], [full, rest]]) == (0.0, 2.0)
 
 
 def test_steady_rate_counts_only_while_every_engine_runs():
