@@ -249,43 +249,59 @@ _storage_option = click.option("--storage-option", "options", multiple=True, met
                                help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333. Repeatable.")
 
 
+def _output_of(output_or_job: str, options) -> tuple[str, dict]:
+    """The output URI and storage options an OUTPUT_OR_JOB argument names: the URI itself, or a job
+    file's output.uri and output.storage_options (--storage-option over them)."""
+    storage = _storage_options(options)
+    if output_or_job.endswith((".yaml", ".yml")):
+        spec = _load(output_or_job, [])
+        return spec.output.uri, {**spec.output.storage_options, **storage}
+    return output_or_job, storage
+
+
 @cli.command()
-@click.argument("output_uri")
+@click.argument("output_or_job")
 @_storage_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def inspect(output_uri, options, as_json):
+def inspect(output_or_job, options, as_json):
     """Show what an output holds: rows, columns, dimensions, norm statistics, a few rows, the manifest.
 
-    Exit 0 for a finished output, 1 for one without _SUCCESS (still shown).
+    Exit 0 for a finished output, 1 for one without _SUCCESS (still shown). OUTPUT_OR_JOB is an
+    output URI or a job file (its output.uri and storage options).
 
     \b
       batchembed inspect out/quickstart-emb/
       batchembed inspect s3://corpus/wiki-emb/ --json
+      batchembed inspect jobs/quickstart.yaml
     """
     from .tools.inspect import inspect_output, render
 
-    info = inspect_output(output_uri, _storage_options(options))
+    output_uri, storage = _output_of(output_or_job, options)
+    info = inspect_output(output_uri, storage)
     click.echo(json.dumps(info, indent=2, default=str) if as_json else render(info))
     if not info["finished"]:
         raise RunError(f"{output_uri} is not finished (no _SUCCESS): a run is in progress, failed or was stopped")
 
 
 @cli.command()
-@click.argument("output_uri")
+@click.argument("output_or_job")
 @_storage_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(output_uri, options, as_json):
+def verify(output_or_job, options, as_json):
     """Check an output against its manifest: parts, row counts, dimensions, norms.
 
-    Exit 0 when everything matches, 1 on any mismatch.
+    Exit 0 when everything matches, 1 on any mismatch. OUTPUT_OR_JOB is an output URI or a job
+    file (its output.uri and storage options).
 
     \b
       batchembed verify out/quickstart-emb/
       batchembed verify s3://corpus/wiki-emb/ --storage-option endpoint_url=http://127.0.0.1:8333
+      batchembed verify jobs/quickstart.yaml
     """
     from .tools.verify import verify_output
 
-    problems, summary = verify_output(output_uri, _storage_options(options))
+    output_uri, storage = _output_of(output_or_job, options)
+    problems, summary = verify_output(output_uri, storage)
     if as_json:
         click.echo(json.dumps({**summary, "problems": problems}, indent=2))
     else:
@@ -321,11 +337,7 @@ def report(output_or_job, options, out_path, sample_rows):
     """
     from .tools.report import build_report
 
-    uri, storage = output_or_job, _storage_options(options)
-    if output_or_job.endswith((".yaml", ".yml")):
-        spec = _load(output_or_job, [])
-        uri, storage = spec.output.uri, {**spec.output.storage_options, **storage}
-    page = build_report(uri, storage, sample_rows)
+    page = build_report(*_output_of(output_or_job, options), sample_rows)
     with open(out_path, "w", encoding="utf-8") as f:
         f.write(page)
     click.echo(f"batchembed: report written to {out_path}", err=True)

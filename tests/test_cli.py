@@ -60,6 +60,11 @@ def test_validate_and_plan_load_no_engine(tmp_path):
     r = subprocess.run([BIN, "validate", str(job), "--set", "model.dtype=float8"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "model.dtype" in r.stderr
+    # an earlier output that is a file (it was a traceback)
+    r = subprocess.run([BIN, "validate", str(job), "--set", f"incremental.previous={job}"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and f"incremental.previous: {job} is a file, not an output folder" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_version_and_help():

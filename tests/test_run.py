@@ -243,6 +243,20 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     assert abs(cols["embedding_64"]["norm_min"] - 1) < 1e-3 and len(info["sample"]) == 3
     text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")]).output
     assert "3 rows in 1 parts, finished" in text and "embedding_384" in text
+    # a job file names its output (and its storage options) to inspect and verify as to report
+    import yaml
+    from helpers import job_dict
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out",
+                                           embedding={"dimensions": [384, 64]})))
+    assert "3 rows in 1 parts, finished" in CliRunner().invoke(cli, ["inspect", str(job)]).output
+    r = CliRunner().invoke(cli, ["verify", str(job)])
+    assert r.exit_code == 0 and r.output.startswith("ok: 1 parts, 3 rows"), r.output
+    # a file where an output folder belongs is a bad command line, said so (it was a traceback)
+    for cmd in ("inspect", "verify"):
+        r = CliRunner().invoke(cli, [cmd, str(tmp_path / "in.parquet")])
+        assert r.exit_code == 2 and "in.parquet is a file, not an output folder" in r.output, r.output
     (tmp_path / "out" / "_SUCCESS").unlink()  # as a run still in progress leaves it
     r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")])
     assert r.exit_code == 1 and "NOT finished" in r.output and "is not finished (no _SUCCESS)" in r.output

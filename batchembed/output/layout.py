@@ -79,6 +79,8 @@ class OutputFolder:
         """The output at `uri`, in format `fmt`; None: the format its manifest names (a Lance
         dataset's `_versions/` where there is no manifest yet; Parquet otherwise)."""
         fs, root = open_fs(uri, storage_options or {}, key)
+        if is_local(fs) and os.path.isfile(root):
+            raise JobError(f"{key}: {uri} is a file, not an output folder")
         if fmt is None:
             folder = cls(fs, root, get_format("parquet"))
             manifest = folder.read_manifest() or {}
