@@ -56,15 +56,25 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno is not None
 
 
+def is_refusal(e: BaseException) -> bool:
+    """The store refused us: no credentials, wrong ones, or no permission (not worth retrying)."""
+    name = type(e).__name__
+    return isinstance(e, PermissionError) or "Credential" in name or "Authentication" in name
+
+
 def retry(fn: Callable[[], T], what: str) -> T:
     """Call fn, retrying transient storage errors with exponential backoff.
 
-    After the last attempt, raises RunError naming `what` (a URL: never credentials).
+    After the last attempt, raises RunError naming `what` (a URL: never credentials); so it does
+    at once where the store refuses access.
     """
     for attempt in range(1, policy.attempts + 1):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - sorted by is_transient
+            if is_refusal(e):
+                raise RunError(f"access refused at {what}: {type(e).__name__}: {e}; check the credentials (the "
+                               "environment's, or the job's storage_options)") from e
             if not is_transient(e):
                 raise
             if attempt == policy.attempts:

@@ -153,6 +153,26 @@ def test_a_missing_bucket_is_refused_before_any_engine(tmp_path, s3_env):
         assert "output.uri: s3://no-such-bucket/emb" in r.output and "'no-such-bucket' does not exist" in r.output
 
 
+def test_credentials_the_store_refuses_are_said_at_once_naming_the_url(tmp_path, s3_env):
+    # wrong keys (PermissionError from s3fs) or none at all (botocore's NoCredentialsError) were
+    # tracebacks, or six attempts over a minute; now one line naming the URL, exit 1 (validate: 2)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", endpoint_url=s3_env.endpoint)
+    corpus(fs, "corpus/refused/in", files=1, rows=4)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(s3_job("refused", s3_env.endpoint)))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    for creds in ({"AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong"}, {}):
+        for command, code in ((["verify"], 1), (["validate"], 2), (["run", "--no-progress"], 1)):
+            t0 = time.monotonic()
+            r = subprocess.run([BIN, command[0], str(tmp_path / "job.yaml"), *command[1:]], capture_output=True,
+                               text=True, env=clean | creds, timeout=120)
+            assert r.returncode == code, (command, creds, r.stderr[-2000:])
+            assert "access refused at s3://corpus/refused/" in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert ("PermissionError" if creds else "NoCredentialsError") in r.stderr
+            assert "retry" not in r.stderr and time.monotonic() - t0 < 60, r.stderr  # not retried
+
+
 def test_kill_9_at_several_points_then_rerun_gives_every_row_exactly_once(tmp_path, s3_env):
     """The CLI as Airflow runs it, killed with SIGKILL mid-run twice, then run to the end by
     two processes at once."""
