@@ -32,6 +32,20 @@ def test_missing_text_column_lists_the_columns_there_are(tmp_path):
     assert_nothing_finished(tmp_path / "out")
 
 
+def test_every_input_file_that_does_not_fit_is_counted_and_the_first_named(tmp_path):
+    # a corpus whose schema drifted: one run (or validate) says which files, not one per rerun
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": [1], "text": ["fine"]})
+    write_parquet(tmp_path / "in" / "b.parquet", {"id": [2], "text": [2.5]})
+    for k in range(5):
+        write_parquet(tmp_path / "in" / f"c{k}.parquet", {"id": [3], "body": ["x"]})
+    r = run_cli(tmp_path, job_dict(tmp_path / "in", tmp_path / "out"))
+    assert r.exit_code == 2, r.output
+    assert "6 of 7 input files do not fit the job:" in r.output and "... and 2 more" in r.output
+    assert "b.parquet is double, not a string column" in r.output
+    assert "c0.parquet; its columns are: id, body" in r.output and "c4.parquet" not in r.output
+    assert_nothing_finished(tmp_path / "out")
+
+
 def test_missing_carry_column_is_named(tmp_path):
     write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
     job = job_dict(tmp_path / "in.parquet", tmp_path / "out", input={"carry_columns": ["nope"]})

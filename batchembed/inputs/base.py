@@ -75,6 +75,10 @@ def _inspect_one(fmt: InputFormat, fs, root: str, path: str, spec: InputSpec) ->
     )
 
 
+# the input files a schema problem names, the first included
+MAX_FILES_NAMED = 4
+
+
 def inspect_inputs(fmt: InputFormat, fs, root: str, paths: list[str], spec: InputSpec,
                    skip_unreadable: bool = False, threads: int = 16) -> tuple[list[InputFile], list[dict]]:
     """Footers of every input file, read in parallel (object stores are latency-bound).
@@ -83,9 +87,11 @@ def inspect_inputs(fmt: InputFormat, fs, root: str, paths: list[str], spec: Inpu
     call, unless `skip_unreadable`, when it is listed in the failures instead.
     """
 
-    def one(path: str) -> InputFile | dict:
+    def one(path: str) -> InputFile | dict | JobError:
         try:
             return _inspect_one(fmt, fs, root, path, spec)
+        except JobError as e:  # every file's, below
+            return e
         except RunError as e:
             if not skip_unreadable:
                 raise
@@ -93,6 +99,13 @@ def inspect_inputs(fmt: InputFormat, fs, root: str, paths: list[str], spec: Inpu
 
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(paths)))) as pool:
         results = list(pool.map(one, paths))
+    wrong = [str(r) for r in results if isinstance(r, JobError)]
+    if len(wrong) == 1:
+        raise JobError(wrong[0])
+    if wrong:  # a corpus whose schema drifted: the files that do not fit, not one per rerun
+        named = "".join(f"\n    {w}" for w in wrong[:MAX_FILES_NAMED])
+        rest = f"\n    ... and {len(wrong) - MAX_FILES_NAMED} more" if len(wrong) > MAX_FILES_NAMED else ""
+        raise JobError(f"{len(wrong)} of {len(paths)} input files do not fit the job:{named}{rest}")
     files = [r for r in results if isinstance(r, InputFile)]
     failed = [r for r in results if isinstance(r, dict)]
     if not files:
