@@ -73,8 +73,9 @@ def retry(fn: Callable[[], T], what: str) -> T:
             return fn()
         except Exception as e:  # noqa: BLE001 - sorted by is_transient
             if is_refusal(e):
-                raise RunError(f"access refused at {what}: {type(e).__name__}: {e}; check the credentials (the "
-                               "environment's, or the job's storage_options)") from e
+                hint = "; check the credentials (the environment's, or the job's storage_options)" if "://" in what \
+                    else ""
+                raise RunError(f"access refused at {what}: {type(e).__name__}: {e}{hint}") from e
             if not is_transient(e):
                 raise
             if attempt == policy.attempts:
