@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -10,10 +11,12 @@ from ..embed.vectors import SCALAR, vector_matrix
 from ..output.layout import MANIFEST, SUCCESS, OutputFolder
 
 
-def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], dict]:
+def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
+                  threads: int = 16) -> tuple[list[str], dict]:
     """(problems, summary). No problems means: _SUCCESS is there, every part the manifest
     lists exists with its row count and vector columns, every vector has norm 1, no part
-    or other data is there that the manifest does not list, and its index is there."""
+    or other data is there that the manifest does not list, and its index is there. Parts
+    are read `threads` at a time."""
     out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
     manifest = out.read_manifest()
     if manifest is None:
@@ -35,24 +38,28 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
     index = manifest.get("index") or {}
     if index.get("built") and index.get("name") not in out.fmt.index_names(out):
         problems.append(f"the manifest lists the index {index.get('name')}, the output has none of that name")
-    rows = vectors = 0
-    worst = 0.0
+    todo = []
     for name, entry in listed.items():
-        if name not in present:
-            if entry["rows"] or out.fmt.empty_parts_kept:  # Lance keeps nothing of an empty part
-                problems.append(f"{name}: listed in the manifest, missing")
-            continue
+        if name in present:
+            todo.append((name, entry))
+        elif entry["rows"] or out.fmt.empty_parts_kept:  # Lance keeps nothing of an empty part
+            problems.append(f"{name}: listed in the manifest, missing")
+
+    def check(item) -> tuple[list[str], int, int, float]:
+        """One part: (problems, rows, vectors checked, its largest |norm - 1|)."""
+        name, entry = item
+        found: list[str] = []
+        vectors, worst = 0, 0.0
         url = out.part_url(name)
         with out.open_part(name) as part:
             if part.num_rows != entry["rows"]:
-                problems.append(f"{url}: {part.num_rows} rows, the manifest says {entry['rows']}")
-            rows += part.num_rows
+                found.append(f"{url}: {part.num_rows} rows, the manifest says {entry['rows']}")
             for dim, col in columns.items():
                 field = part.schema.field(col) if col in part.schema.names else None
                 width = int(dim) // 8 if packed else int(dim)
                 if field is None or getattr(field.type, "list_size", None) != width:
-                    problems.append(f"{url}: column {col} is {field.type if field else 'missing'}, "
-                                    f"expected {width} values per row")
+                    found.append(f"{url}: column {col} is {field.type if field else 'missing'}, "
+                                 f"expected {width} values per row")
                     continue
                 if quantized:
                     continue
@@ -61,9 +68,17 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None) -> tu
                     if len(arr) == 0:
                         continue
                     m = vector_matrix(arr)
-                    err = float(np.abs(np.linalg.norm(m, axis=1) - 1).max())
-                    worst = max(worst, err)
+                    worst = max(worst, float(np.abs(np.linalg.norm(m, axis=1) - 1).max()))
                     vectors += len(arr)
+            return found, part.num_rows, vectors, worst
+
+    # parts are read at once, `threads` at a time: on an object store each is a round trip or more
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
+        results = list(pool.map(check, todo))
+    rows = sum(r[1] for r in results)
+    vectors = sum(r[2] for r in results)
+    worst = max((r[3] for r in results), default=0.0)
+    problems += [p for r in results for p in r[0]]
     if worst > tol:
         problems.append(f"a vector's norm is off 1 by {worst:.2e} (tolerance {tol})")
     if rows != manifest["counts"]["rows"]:
