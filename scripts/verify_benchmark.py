@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -83,6 +84,7 @@ def main() -> int:
                     results.append(r)
     finally:
         s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
     medians = {f"{w} threads={t}": statistics.median(r["seconds"] for r in results
                                                        if r["where"] == w and r["threads"] == t)
                for w in ("local", "s3") for t in threads}
