@@ -1,5 +1,5 @@
-"""`engine.data_parallel: K`: K engine replicas, each in its own process, pulling parts from
-one queue.
+"""`engine.data_parallel: K`: K engine replicas, each in its own process, asking the parent for
+parts one at a time over a pipe of its own.
 
 One process per replica, not one thread: a vLLM engine's front end (request
 building, output handling) is Python and needs a core of its own; four engines
@@ -16,11 +16,14 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import tempfile
+import threading
 import time
 import traceback
+from multiprocessing import connection as mp_connection
 from typing import TYPE_CHECKING
 
 from .. import interrupts, procguard, scratch
@@ -50,16 +53,35 @@ class _Flag:
         self._v.value = 1
 
 
+class _Line:
+    """An engine process's own line to the parent: one duplex pipe per process, made anew for each
+    start, so a process killed in the middle of a message breaks only its own line, which the parent
+    drops with it. (One multiprocessing.Queue for every worker's messages, and one per replica for
+    its parts, hung the run for ever where a worker was killed holding a queue's lock: the replacement
+    waited on the lock its predecessor held.) Its threads (the reader asking for parts, the writer's
+    progress, the end's report) send one message at a time; only the reader receives."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def recv(self):
+        return self.conn.recv()
+
+
 class _Tasks:
     """The pipeline's view of the parent's task list: it asks the parent for a part and gets its
-    id (or None: no more) on its own queue, and turns it into this worker's own Task."""
+    id (or None: no more) on its line, and turns it into this worker's own Task."""
 
-    def __init__(self, replica: int, ask, answers, tasks: dict[str, Task]):
-        self.replica, self.ask, self.answers, self.tasks = replica, ask, answers, tasks
+    def __init__(self, replica: int, line: _Line, tasks: dict[str, Task]):
+        self.replica, self.line, self.tasks = replica, line, tasks
 
     def get_nowait(self) -> Task:
-        self.ask.put(("want", self.replica))
-        name = self.answers.get()
+        self.line.send(("want", self.replica))
+        name = self.line.recv()
         if name is None:
             raise queue.Empty
         task = self.tasks.get(name)
@@ -101,7 +123,7 @@ def _share_cores(replicas: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, cores // replicas)))
 
 
-def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, answers, results_q,
+def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, conn,
             start_lock: str, stop, spawned_at: float, reference, run_pid: int) -> None:
     procguard.die_with_parent()  # with the forkserver
     # its parent is the forkserver, which outlives the run while any engine process lives: a
@@ -112,6 +134,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
     _isolate(replica, os.path.dirname(start_lock))
     _share_cores(replicas)
     setup_logging(log_level, as_json, engine=replica)
+    line = _Line(conn)
     try:
         from ..config import JobSpec
         from ..job import prepare
@@ -129,25 +152,25 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
                  "in %.1f s)", replica, time.time() - spawned_at, preload.IMPORT_SECONDS)
         worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference)
         try:
-            worker.run(_Tasks(replica, results_q, answers, {t.part_id: t for t in p.tasks}),
-                       lambda step: results_q.put(("progress", replica, step)), stop)
+            worker.run(_Tasks(replica, line, {t.part_id: t for t in p.tasks}),
+                       lambda step: line.send(("progress", replica, step)), stop)
         finally:
             t = time.perf_counter()
             worker.close()
             log.info("engine process %d: engine closed in %.1f s", replica, time.perf_counter() - t)
-        results_q.put(("done", replica, worker.report()))
+        line.send(("done", replica, worker.report()))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
         message = str(e) if isinstance(e, RunError) else f"{type(e).__name__}: {e}"
-        results_q.put(("error", replica, message, traceback.format_exc()))
-    _exit_now(results_q)
+        with contextlib.suppress(OSError):  # the parent is gone
+            line.send(("error", replica, message, traceback.format_exc()))
+    _exit_now()
 
 
-def _exit_now(results_q) -> None:
+def _exit_now() -> None:
     """End the engine process without the interpreter's teardown: its engine is closed and its
-    report sent, and tearing down CUDA and vLLM's native threads at exit is where multi-engine
-    runs printed "terminate called without an active exception" or aborted after the summary."""
-    results_q.close()
-    results_q.join_thread()  # the report is in the pipe
+    report sent (a pipe's send returns once it is written), and tearing down CUDA and vLLM's native
+    threads at exit is where multi-engine runs printed "terminate called without an active
+    exception" or aborted after the summary."""
     exit_now(0)
 
 
@@ -233,8 +256,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
     run; the parts it had taken and not committed go back to the list for whoever asks next."""
     ctx = _context()
-    results_q = ctx.Queue()
-    answers = [ctx.Queue() for _ in range(replicas)]  # part ids (or None) to each worker
+    lines: dict[int, object] = {}  # replica -> the parent's end of its process's pipe (_Line)
     stop = _Flag(ctx)  # set by any worker's failure, or by us
     workdir = tempfile.TemporaryDirectory(prefix=scratch.prefix("engines"))
     start_lock = os.path.join(workdir.name, "start.lock")
@@ -252,11 +274,21 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     def start(i: int):
         global _engines_started
         _engines_started = True
+        ours, theirs = ctx.Pipe(duplex=True)
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
-                        args=(spec, i, replicas, level, json_logging(), answers[i], results_q, start_lock, stop,
+                        args=(spec, i, replicas, level, json_logging(), theirs, start_lock, stop,
                               time.time(), reference.file() if reference else None, os.getpid()))
         w.start()
+        theirs.close()  # the child's end lives in the child only: its death reads as EOF here
+        old = lines.pop(i, None)
+        if old is not None:
+            old.close()
+        lines[i] = ours
         return w
+
+    def answer(i: int, part) -> None:
+        with contextlib.suppress(OSError):  # a worker that died meanwhile: the check below
+            lines[i].send(part)
 
     reports = []
     restarts = 0
@@ -267,60 +299,73 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     try:
         for i in range(replicas):  # the first waits for the forkserver's import
             workers.append(start(i))
+        listening = set(range(replicas))  # replicas whose line may still bring a message
         while len(done) < replicas and error is None:
             if interrupts.requested() and not stop.is_set():
                 stop.set()  # each worker drops its part in progress, closes its engine and reports
             if reference is not None:
                 reference.watch()  # workers waiting for it learn if its process died
-            try:
-                msg = results_q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [i for i, w in enumerate(workers) if i not in done and not w.is_alive()]
-                for i in dead:
-                    # what it committed stands (read back as a resume would); the rest is lost
-                    mine = [by_id[x] for x in taken[i]]
-                    committed = p.out.state(mine, p.fingerprint.with_digest(), []).done
-                    reports.append(WorkerReport(records={names[t.part_id]: committed[t.index] for t in mine
-                                                         if t.index in committed}))
-                    lost = [t.part_id for t in mine if t.index not in committed]
-                    restarts += 1
-                    why = f"engine process {i} died (exit code {workers[i].exitcode}) without reporting"
-                    if restarts > p.spec.engine.max_restarts or stop.is_set():
-                        error = f"{why}; committed parts are kept, a rerun resumes"
-                        break
-                    log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go "
-                                "back to the list", why, restarts, p.spec.engine.max_restarts, len(lost))
-                    todo += lost
-                    taken[i] = []
-                    workers[i] = start(i)
-                continue
-            kind, replica = msg[0], msg[1]
-            if kind == "want":
-                part = None if stop.is_set() or not todo else todo.pop()
-                if part is not None:
-                    taken[replica].append(part)
-                answers[replica].put(part)
-            elif kind == "progress":
-                progress(msg[2])
-            elif kind == "error":
-                log.debug("engine process %d failed:\n%s", replica, msg[3])
-                error = f"engine process {replica}: {msg[2]}"
-            elif kind == "done":
-                done.add(replica)
-                reports.append(msg[2])
+            messages = []
+            if listening:
+                by_line = {id(lines[i]): i for i in listening}
+                for conn in mp_connection.wait([lines[i] for i in listening], timeout=1.0):
+                    try:
+                        messages.append(conn.recv())
+                    except (EOFError, OSError, pickle.UnpicklingError):  # its process ended, or died mid-message
+                        listening.discard(by_line[id(conn)])
+            else:
+                time.sleep(0.2)
+            for msg in messages:
+                kind, replica = msg[0], msg[1]
+                if kind == "want":
+                    part = None if stop.is_set() or not todo else todo.pop()
+                    if part is not None:
+                        taken[replica].append(part)
+                    answer(replica, part)
+                elif kind == "progress":
+                    progress(msg[2])
+                elif kind == "error":
+                    log.debug("engine process %d failed:\n%s", replica, msg[3])
+                    error = f"engine process {replica}: {msg[2]}"
+                elif kind == "done":
+                    done.add(replica)
+                    reports.append(msg[2])
+            for i in [i for i, w in enumerate(workers) if i not in done and not w.is_alive()]:
+                if error is not None:
+                    break
+                # what it committed stands (read back as a resume would); the rest is lost
+                mine = [by_id[x] for x in taken[i]]
+                committed = p.out.state(mine, p.fingerprint.with_digest(), []).done
+                reports.append(WorkerReport(records={names[t.part_id]: committed[t.index] for t in mine
+                                                     if t.index in committed}))
+                lost = [t.part_id for t in mine if t.index not in committed]
+                restarts += 1
+                why = f"engine process {i} died (exit code {workers[i].exitcode}) without reporting"
+                if restarts > p.spec.engine.max_restarts or stop.is_set():
+                    error = f"{why}; committed parts are kept, a rerun resumes"
+                    break
+                log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go "
+                            "back to the list", why, restarts, p.spec.engine.max_restarts, len(lost))
+                todo += lost
+                taken[i] = []
+                workers[i] = start(i)
+                listening.add(i)
     finally:
         if len(done) < replicas:
             # every pipeline stops at its next step and closes its engine; a worker that does
             # not end within a minute is killed
             stop.set()
-            for q in answers:  # a worker waiting for a part gets none
-                q.put(None)
+            for i in lines:  # a worker waiting for a part gets none
+                if i not in done:
+                    answer(i, None)
         deadline = time.monotonic() + 60
         for w in workers:
             w.join(timeout=max(0.1, deadline - time.monotonic()))
             if w.is_alive():
                 w.kill()
                 w.join(timeout=10)
+        for conn in lines.values():
+            conn.close()
         with contextlib.suppress(OSError):
             workdir.cleanup()
     return combine(reports, time.perf_counter() - t0), error
