@@ -1,5 +1,5 @@
-"""`batchembed verify` on an output of many parts, local and on a real S3 server (SeaweedFS on
-loopback, as the tests use), reading the parts one at a time against several at once.
+"""`batchembed verify` and `inspect` on an output of many parts, local and on a real S3 server
+(SeaweedFS on loopback, as the tests use), reading the parts one at a time against several at once.
 
     .venv/bin/python scripts/verify_benchmark.py [--parts 400] [--rows-per-part 250] [--threads 1,16] [--repeat 3]
 
@@ -34,6 +34,7 @@ from s3server import SeaweedS3  # noqa: E402
 
 from batchembed.model import read_model_info  # noqa: E402
 from batchembed.run import run_job  # noqa: E402
+from batchembed.tools.inspect import inspect_output  # noqa: E402
 from batchembed.tools.verify import verify_output  # noqa: E402
 
 
@@ -78,15 +79,21 @@ def main() -> int:
                     problems, summary = verify_output(uri, so, threads=t)
                     wall = time.perf_counter() - t0
                     assert not problems, problems
+                    t1 = time.perf_counter()
+                    info = inspect_output(uri, so, threads=t)
+                    inspect_wall = time.perf_counter() - t1
+                    assert info["rows"] == rows, info["rows"]
                     r = {"where": where, "threads": t, "seconds": round(wall, 3), "parts": summary["parts"],
-                         "rows": summary["rows"], "vectors": summary["vectors_checked"]}
+                         "rows": summary["rows"], "vectors": summary["vectors_checked"],
+                         "inspect_seconds": round(inspect_wall, 3)}
                     print(json.dumps(r), flush=True)
                     results.append(r)
     finally:
         s3.stop()
         shutil.rmtree(work, ignore_errors=True)
-    medians = {f"{w} threads={t}": statistics.median(r["seconds"] for r in results
-                                                       if r["where"] == w and r["threads"] == t)
+    medians = {f"{tool} {w} threads={t}": statistics.median(r[key] for r in results
+                                                              if r["where"] == w and r["threads"] == t)
+               for tool, key in (("verify", "seconds"), ("inspect", "inspect_seconds"))
                for w in ("local", "s3") for t in threads}
     for k, v in medians.items():
         print(f"{k}: median {v:.2f} s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -13,29 +14,35 @@ from ..output.layout import OutputFolder
 
 
 def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, sample_rows: int = 3,
-                   norm_rows: int = 10_000) -> dict:
+                   norm_rows: int = 10_000, threads: int = 16) -> dict:
     """Rows, columns, dimensions, dtypes, norm statistics over the first `norm_rows`
-    vectors, a few rows, and the manifest."""
+    vectors, a few rows, and the manifest. Parts' footers are read `threads` at a time."""
     out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
     parts = out.part_names()
     if not parts:
         raise RunError(f"no batchembed parts (part-*{out.fmt.suffix}) at {uri}")
     manifest = out.read_manifest()
-    rows = 0
-    schema = None
+
+    def footer(name: str) -> tuple[int, pa.Schema]:
+        with out.open_part(name) as part:
+            return part.num_rows, part.schema
+
+    # every part's rows, `threads` parts at a time (on an object store each is a round trip)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(parts)))) as pool:
+        footers = list(pool.map(footer, parts))
+    rows = sum(n for n, _ in footers)
+    schema = footers[0][1]
     norms: dict[str, list[np.ndarray]] = {}
     sample: list[dict] = []
     def enough() -> bool:  # norm statistics need only the first norm_rows vectors
         return any(sum(len(n) for n in v) >= norm_rows for v in norms.values())
 
     for name in parts:
+        if enough() and len(sample) >= sample_rows:
+            break
         with out.open_part(name) as part:
-            rows += part.num_rows
-            schema = schema or part.schema
             vector_cols = [fld.name for fld in part.schema if hasattr(fld.type, "list_size")
                            and pa.types.is_floating(fld.type.value_type)]  # packed bits have no norm
-            if enough() and len(sample) >= sample_rows:
-                continue
             for batch in part.iter_batches(batch_size=4096):
                 if len(sample) < sample_rows:
                     for row in batch.slice(0, sample_rows - len(sample)).to_pylist():
