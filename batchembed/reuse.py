@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from .embed.vectors import PACKED, SCALAR, vector_matrix
 from .errors import JobError, RunError
 from .output.layout import LAYOUT, MANIFEST, OutputFolder
 from .output.records import copied_record
-from .storage import is_transient, retry
+from .storage import concurrently, is_transient, retry
 
 if TYPE_CHECKING:
     from .plan import Task
@@ -183,8 +182,7 @@ def copy_parts(prev: Previous, tasks: list[Task], out: OutputFolder, job: dict,
         out.write_commit(name, record)
         return t.index, record
 
-    with ThreadPoolExecutor(max_workers=min(threads, len(todo))) as pool:
-        records = dict(pool.map(copy, todo))
+    records = dict(concurrently(copy, todo, threads))
     log.info("incremental: %d unchanged parts copied from %s", len(records), prev.uri)
     return records, [t for t in tasks if t.index not in records]
 

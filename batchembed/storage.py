@@ -14,6 +14,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,6 +55,13 @@ def is_transient(e: BaseException) -> bool:
     # An OSError with an errno is the OS's (ECONNRESET, EIO...); pyarrow's "Corrupt snappy
     # compressed data" and the like carry none.
     return isinstance(e, OSError) and e.errno is not None
+
+
+def concurrently(fn: Callable[[Any], T], items: list, threads: int = 16) -> list[T]:
+    """fn over items, `threads` at a time, results in order: object stores are latency-bound,
+    so reading or copying many small objects one after another waits on each round trip."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items)))) as pool:
+        return list(pool.map(fn, items))
 
 
 def is_refusal(e: BaseException) -> bool:

@@ -256,7 +256,7 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
     without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
     run; the parts it had taken and not committed go back to the list for whoever asks next."""
     ctx = _context()
-    lines: dict[int, object] = {}  # replica -> the parent's end of its process's pipe (_Line)
+    lines: dict[int, object] = {}  # replica -> the parent's end of its process's pipe (the child's is a _Line)
     stop = _Flag(ctx)  # set by any worker's failure, or by us
     workdir = tempfile.TemporaryDirectory(prefix=scratch.prefix("engines"))
     start_lock = os.path.join(workdir.name, "start.lock")

@@ -8,7 +8,6 @@ columns against each file are the same for every format and live here.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,7 +15,7 @@ import pyarrow as pa
 
 from ..config import InputSpec
 from ..errors import JobError, RunError
-from ..storage import fingerprint, full_url
+from ..storage import concurrently, fingerprint, full_url
 from .rows import check_columns, column_keys, is_text
 
 
@@ -97,8 +96,7 @@ def inspect_inputs(fmt: InputFormat, fs, root: str, paths: list[str], spec: Inpu
                 raise
             return {"file": full_url(fs, path), "error": str(e)}
 
-    with ThreadPoolExecutor(max_workers=min(threads, max(1, len(paths)))) as pool:
-        results = list(pool.map(one, paths))
+    results = concurrently(one, paths, threads)
     wrong = [str(r) for r in results if isinstance(r, JobError)]
     if len(wrong) == 1:
         raise JobError(wrong[0])

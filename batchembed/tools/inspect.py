@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -11,6 +10,7 @@ import pyarrow as pa
 from ..embed.vectors import vector_matrix
 from ..errors import RunError
 from ..output.layout import OutputFolder
+from ..storage import concurrently
 
 
 def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, sample_rows: int = 3,
@@ -27,9 +27,7 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
         with out.open_part(name) as part:
             return part.num_rows, part.schema
 
-    # every part's rows, `threads` parts at a time (on an object store each is a round trip)
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(parts)))) as pool:
-        footers = list(pool.map(footer, parts))
+    footers = concurrently(footer, parts, threads)
     rows = sum(n for n, _ in footers)
     schema = footers[0][1]
     norms: dict[str, list[np.ndarray]] = {}

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..embed.vectors import SCALAR, vector_matrix
 from ..output.layout import MANIFEST, SUCCESS, OutputFolder
+from ..storage import concurrently
 
 
 def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
@@ -72,9 +72,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
                     vectors += len(arr)
             return found, part.num_rows, vectors, worst
 
-    # parts are read at once, `threads` at a time: on an object store each is a round trip or more
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
-        results = list(pool.map(check, todo))
+    results = concurrently(check, todo, threads)
     rows = sum(r[1] for r in results)
     vectors = sum(r[2] for r in results)
     worst = max((r[3] for r in results), default=0.0)
