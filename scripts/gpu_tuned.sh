@@ -10,7 +10,8 @@
 # tune writes engine.data_parallel and output.rows_per_part (about 30 parts per engine); the run uses
 # the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result-run.json,
 # manifest-run.json (its throughput: tok/s in 60 slices of the run)}, and the same for run-b with AB=
-# or AB_SET= (below) and each of VARIANTS=, and OUT_DIR.tgz.
+# or AB_SET= (below) and each of VARIANTS=, and OUT_DIR.tgz. COMPARE=1 keeps the first run's output
+# and compares each later run's vectors with it (scripts/compare_outputs.py: compare-NAME.{txt,json}).
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
 MODEL=$2 LEN=$3 CHARS=$4 ROWS=$5 ENGINES=$6 SAMPLE=$7
@@ -76,6 +77,14 @@ out.joinpath(f"result-{name}.json").write_text(json.dumps(r, indent=1))
 print(json.dumps(r))
 PY
   cp "$W/out/_manifest.json" "$OUT/manifest-$name.json" 2>/dev/null  # its throughput: tok/s in 60 slices
+  if [ -n "${COMPARE:-}" ]; then  # COMPARE=1: every later run's vectors against the first run's
+    if [ -d "$W/out-first" ]; then
+      python3 scripts/compare_outputs.py "$W/out-first" "$W/out" > "$OUT/compare-$name.json" 2> "$OUT/compare-$name.txt"
+      echo "compare with the first run: exit $?"; cat "$OUT/compare-$name.txt"
+    else
+      mv "$W/out" "$W/out-first"
+    fi
+  fi
   grep -h "first engine to run out\|up: import\|imported once" "$OUT/$name.log" | sed 's/.*INFO //' | head -4
   # vLLM's own start-up lines, where VLLM_LOGGING_LEVEL=INFO: compiling or loading, CUDA graphs
   grep -h "bytecode transform\|torch.compile took\|oad the compiled\|Graph capturing finished\|init engine" \
