@@ -131,6 +131,12 @@ def _check_model_fit(spec: JobSpec, model: ModelInfo, max_length: int, dims: lis
     if spec.engine.token_budget is not None and spec.engine.token_budget < max_length:
         raise JobError(f"engine.token_budget: {spec.engine.token_budget} is below model.max_length {max_length}; "
                        "one full-length row must fit in a call")
+    step = spec.engine.vllm_args.get("max_num_batched_tokens")
+    if isinstance(step, int) and step < max_length:
+        # vLLM would split a longer row's prefill across engine steps: a compiled decoder with
+        # last-token pooling then returns wrong vectors for it in vLLM 0.24 (vLLM PR 48901)
+        raise JobError(f"engine.vllm_args.max_num_batched_tokens: {step} is below model.max_length {max_length}; "
+                       "a row split across engine steps can get a wrong vector (set engine.token_budget instead)")
 
 
 def _check_columns(spec: JobSpec, dims: list[int] | None) -> None:

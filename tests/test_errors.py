@@ -90,6 +90,18 @@ def test_non_matryoshka_model_warns(tmp_path, caplog):
     assert any("does not declare Matryoshka" in w for w in p.warnings)
 
 
+def test_an_engine_step_smaller_than_one_row_is_refused(tmp_path):
+    # a row split across vLLM's engine steps can get a wrong vector (compiled decoders, vLLM PR 48901)
+    write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
+    for engine, key in [({"token_budget": 100}, "engine.token_budget: 100"),
+                        ({"vllm_args": {"max_num_batched_tokens": 100}},
+                         "engine.vllm_args.max_num_batched_tokens: 100")]:
+        r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out", model={"max_length": 128},
+                                       engine=engine))
+        assert r.exit_code == 2 and f"{key} is below model.max_length 128" in r.output, r.output
+        assert_nothing_finished(tmp_path / "out")
+
+
 def test_unknown_model_and_bad_key_exit_2(tmp_path):
     write_parquet(tmp_path / "in.parquet", {"id": [1], "text": ["x"]})
     r = run_cli(tmp_path, job_dict(tmp_path / "in.parquet", tmp_path / "out", model={"name": "package:no_such_pkg"}))
