@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import sys
 
 import click
@@ -286,22 +287,43 @@ def inspect(output_or_job, options, as_json):
 @cli.command()
 @click.argument("output_or_job")
 @_storage_option
+@_set_option
+@click.option("--sample", "sample_rows", type=click.IntRange(1), metavar="N",
+              help="Also re-embed N random rows with sentence-transformers (CPU) from the job's input and "
+                   "compare them with the stored vectors (needs the job file).")
+@click.option("--seed", type=int, help="The --sample draw (default: a new one, printed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(output_or_job, options, as_json):
-    """Check an output against its manifest: parts, row counts, dimensions, norms.
+def verify(output_or_job, options, overrides, sample_rows, seed, as_json):
+    """Check an output against its manifest: parts, row counts, dimensions, norms; with --sample,
+    a sample of its vectors against the model's own library.
 
     Exit 0 when everything matches, 1 on any mismatch. OUTPUT_OR_JOB is an output URI or a job
-    file (its output.uri and storage options).
+    file (its output.uri and storage options; --set as for run).
 
     \b
       batchembed verify out/quickstart-emb/
       batchembed verify s3://corpus/wiki-emb/ --storage-option endpoint_url=http://127.0.0.1:8333
-      batchembed verify jobs/quickstart.yaml
+      batchembed verify jobs/quickstart.yaml --sample 64
     """
-    from .tools.verify import verify_output
+    from .tools.verify import check_sample, verify_output
 
-    output_uri, storage = _output_of(output_or_job, options)
+    is_job = output_or_job.endswith((".yaml", ".yml"))
+    if (sample_rows or overrides) and not is_job:
+        raise JobError(f"{'--sample' if sample_rows else '--set'} needs the job file, not the output "
+                       f"{output_or_job}: the texts are read from its input")
+    if is_job:
+        spec = _load(output_or_job, overrides)
+        spec.output.storage_options = {**spec.output.storage_options, **_storage_options(options)}
+        output_uri, storage = spec.output.uri, spec.output.storage_options
+    else:
+        output_uri, storage = _output_of(output_or_job, options)
     problems, summary = verify_output(output_uri, storage)
+    if sample_rows and summary:
+        from .job import prepare
+
+        seed = random.SystemRandom().randrange(2**31) if seed is None else seed
+        found, summary["sample"] = check_sample(prepare(spec, check_output=False, warn=False), sample_rows, seed)
+        problems += found
     if as_json:
         click.echo(json.dumps({**summary, "problems": problems}, indent=2))
     else:
@@ -314,8 +336,19 @@ def verify(output_or_job, options, as_json):
             failed = f", {n:,} rows failed in the engine (_errors/)" if n else ""
             click.echo(f"{'ok' if not problems else 'FAILED'}: {summary['parts']} parts, {summary['rows']:,} rows, "
                        f"{norms}{failed}")
+            if summary.get("sample"):
+                click.echo(_sample_line(summary["sample"]))
     if problems:
         raise RunError(f"verify: {len(problems)} problem(s) in {output_uri}")
+
+
+def _sample_line(s: dict) -> str:
+    skipped = ", ".join(f"{n:,} {why}" for why, n in s["skipped"].items() if n)
+    worst = min(s["columns"].items(), key=lambda kv: kv[1]["min_cosine"], default=None)
+    against = (f"least cosine {worst[1]['min_cosine']:.6f} ({worst[0]}), required {s['min_cosine_required']}"
+               if worst else "nothing compared")
+    return (f"sample: {s['rows']:,} rows of {s['parts']} parts re-embedded with sentence-transformers "
+            f"(--seed {s['seed']}): {against}" + (f"; not comparable: {skipped}" if skipped else ""))
 
 
 @cli.command()

@@ -119,7 +119,7 @@ def ensure(p: Prepared, engine, reference: ReferenceFile | None = None) -> None:
 def start_reference(p: Prepared) -> Reference | None:
     """Start computing the reference now, for the check the engines about to be built will make
     (None when they make none, or skip it)."""
-    if not needed(p) or _skip_reason(p) is not None:
+    if not needed(p) or reference_unavailable(p) is not None:
         return None
     texts = p.first_texts(SAMPLE_ROWS)
     return Reference(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts) if texts else None
@@ -211,7 +211,8 @@ def _reference_process(folder: str) -> None:
         with open(os.path.join(folder, "texts.json"), encoding="utf-8") as f:
             texts = json.load(f)
         path = os.path.join(folder, "vectors.npy")
-        np.save(path + ".tmp.npy", _encode(request["model_path"], request["max_length"], request["prefix"], texts))
+        vectors = reference_vectors(request["model_path"], request["max_length"], request["prefix"], texts)
+        np.save(path + ".tmp.npy", vectors)
         os.replace(path + ".tmp.npy", path)
     except BaseException as e:  # noqa: BLE001 - reported to the engines through the folder
         _write(os.path.join(folder, "error.txt"), f"{type(e).__name__}: {e}")
@@ -232,14 +233,15 @@ def _st_model(path: str, max_length: int):
     return st
 
 
-def _encode(model_path: str, max_length: int, prefix: str, texts: list[str]) -> np.ndarray:
-    """sentence-transformers' vectors for `texts`, as the check compares them."""
+def reference_vectors(model_path: str, max_length: int, prefix: str, texts: list[str]) -> np.ndarray:
+    """sentence-transformers' vectors for `texts` (full dimension, normalised), as the checks compare them."""
     vectors = _st_model(model_path, max_length).encode([prefix + t for t in texts], normalize_embeddings=True,
                                                        convert_to_numpy=True, show_progress_bar=False)
     return np.asarray(vectors, dtype=np.float32)
 
 
-def _skip_reason(p: Prepared) -> str | None:
+def reference_unavailable(p: Prepared) -> str | None:
+    """Why sentence-transformers cannot give this job's reference vectors here, or None."""
     if not (p.model.path / "modules.json").is_file():
         return "the model folder has no modules.json (not a sentence-transformers model)"
     if importlib.util.find_spec("sentence_transformers") is None:
@@ -266,7 +268,7 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     result: dict = {"job": p.fingerprint.digest, "checked_at": now, "min_cosine_required": p.spec.fidelity_min_cosine,
                     "versions": versions(), "dtype": getattr(engine, "dtype", None)}
-    reason = _skip_reason(p)
+    reason = reference_unavailable(p)
     texts, theirs = [], None
     if reason is None:
         # an engine handed to the run is checked here, in this process (sentence-transformers'
@@ -279,7 +281,7 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
         result.update(status="skipped", reason=reason)
     else:
         if theirs is None:
-            theirs = _encode(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts)
+            theirs = reference_vectors(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts)
         ours, bad = embed_isolating(engine, Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
         if bad:  # rows the engine fails alone are the run's to report (_errors/), not a disagreement
             ours = np.delete(ours, list(bad), axis=0)

@@ -4,7 +4,7 @@ Each mapped task runs `batchembed run JOB --shard i/N`. Retries are safe: a reru
 every part already committed (resume is the default), so a retried or duplicated task never
 loses or doubles a row. The last shard to finish writes _manifest.json and _SUCCESS; the
 `finalize` task makes sure of it and fails while any part is missing; `verify` reads every
-part back.
+part back (and with BATCHEMBED_VERIFY_SAMPLE=N re-embeds N random rows to compare).
 
 Exit codes decide retries: 2 means the job or the command line is invalid (nothing was
 started; retrying will not help), so the task fails at once, without retries; 1 (a failed
@@ -27,6 +27,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 JOB = os.environ.get("BATCHEMBED_JOB", "/opt/jobs/wiki.yaml")  # a job file like jobs/s3-example.yaml
 OUTPUT = os.environ.get("BATCHEMBED_OUTPUT", "s3://corpus/wiki-emb/")  # its output.uri, for verify
 SHARDS = int(os.environ.get("BATCHEMBED_SHARDS", "16"))
+SAMPLE = int(os.environ.get("BATCHEMBED_VERIFY_SAMPLE", "0"))  # rows verify re-embeds to compare (0: none)
 BATCHEMBED = os.environ.get("BATCHEMBED_BIN", "/opt/batchembed/.venv/bin/batchembed")
 
 
@@ -69,6 +70,7 @@ with DAG(
 
     @task
     def verify() -> None:
-        batchembed("verify", OUTPUT)
+        # --sample compares stored vectors with sentence-transformers' (README, "The fidelity guard")
+        batchembed(*(["verify", JOB, "--sample", str(SAMPLE)] if SAMPLE else ["verify", OUTPUT]))
 
     embed.expand(shard=[f"{i}/{SHARDS}" for i in range(SHARDS)]) >> finalize() >> verify()

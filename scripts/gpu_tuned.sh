@@ -11,7 +11,9 @@
 # the written job as it is. Writes OUT_DIR/{tune.txt, tuned.yaml, run.log, run.json, result-run.json,
 # manifest-run.json (its throughput: tok/s in 60 slices of the run)}, and the same for run-b with AB=
 # or AB_SET= (below) and each of VARIANTS=, and OUT_DIR.tgz. COMPARE=1 keeps the first run's output
-# and compares each later run's vectors with it (scripts/compare_outputs.py: compare-NAME.{txt,json}).
+# and compares each later run's vectors with it (scripts/compare_outputs.py: compare-NAME.{txt,json});
+# VERIFY_SAMPLE=N runs `batchembed verify --sample N` on each run's output (sample-NAME.txt; needs a
+# sentence-transformers model: the real MiniLM, not the random-weight shapes).
 set -uo pipefail
 OUT=${1:?usage: gpu_tuned.sh OUT_DIR MODEL MAX_LENGTH MIN_CHARS ROWS ENGINES SAMPLE_ROWS}
 MODEL=$2 LEN=$3 CHARS=$4 ROWS=$5 ENGINES=$6 SAMPLE=$7
@@ -77,6 +79,11 @@ out.joinpath(f"result-{name}.json").write_text(json.dumps(r, indent=1))
 print(json.dumps(r))
 PY
   cp "$W/out/_manifest.json" "$OUT/manifest-$name.json" 2>/dev/null  # its throughput: tok/s in 60 slices
+  if [ -n "${VERIFY_SAMPLE:-}" ]; then  # VERIFY_SAMPLE=N: N random rows of the output against sentence-transformers
+    python3 -m batchembed.cli verify "$OUT/tuned.yaml" "${sets[@]}" --sample "$VERIFY_SAMPLE" --seed 1 \
+      > "$OUT/sample-$name.txt" 2>&1
+    echo "verify --sample $VERIFY_SAMPLE: exit $?"; tail -2 "$OUT/sample-$name.txt"
+  fi
   if [ -n "${COMPARE:-}" ]; then  # COMPARE=1: every later run's vectors against the first run's
     if [ -d "$W/out-first" ]; then
       python3 scripts/compare_outputs.py "$W/out-first" "$W/out" > "$OUT/compare-$name.json" 2> "$OUT/compare-$name.txt"

@@ -175,6 +175,67 @@ def test_verify_finds_a_tampered_output(tmp_path, engine):
     assert any("unfinished" in p for p in verify_output(str(tmp_path / "out"))[0])
 
 
+def _sampled_job(tmp_path, engine, **sections):
+    """A finished run of SENTENCES (and a null and an empty text) and its job file."""
+    import yaml
+    from helpers import job_dict
+
+    ids = list(range(len(SENTENCES) + 2))
+    write_parquet(tmp_path / "in.parquet", {"id": ids, "text": [*SENTENCES, None, ""]})
+    job = job_dict(tmp_path / "in.parquet", tmp_path / "out", **sections)
+    run_job(make_job(tmp_path / "in.parquet", tmp_path / "out", **sections), engine=engine, show_progress=False)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@pytest.mark.parametrize("output_dtype", ["float32", "int8", "binary"])
+def test_verify_sample_compares_stored_vectors_with_sentence_transformers(tmp_path, engine, output_dtype):
+    from click.testing import CliRunner
+
+    from batchembed.cli import cli
+
+    job = _sampled_job(tmp_path, engine, embedding={"dimensions": [384, 64], "output_dtype": output_dtype})
+    r = CliRunner().invoke(cli, ["verify", str(job), "--sample", "100", "--seed", "7"])
+    assert r.exit_code == 0, r.output
+    assert f"sample: {len(SENTENCES) - 1} rows of 1 parts re-embedded" in r.output and "--seed 7" in r.output
+    assert "not comparable: 1 no vector, 2 empty text" in r.output  # SENTENCES has an empty text too
+    r = CliRunner().invoke(cli, ["verify", str(job), "--sample", "3", "--json"])
+    sample = json.loads(r.output)["sample"]
+    assert r.exit_code == 0 and sample["rows"] + sum(sample["skipped"].values()) == 3
+    floor = 0.999 if output_dtype != "binary" else 0.9
+    assert all(c["min_cosine"] > floor for c in sample["columns"].values()), sample
+
+
+def test_verify_sample_finds_a_vector_the_norms_cannot(tmp_path, engine):
+    # a row holding another row's vector: every norm is 1 and every count right, so only a
+    # comparison with the model's own library finds it
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from batchembed.cli import cli
+
+    job = _sampled_job(tmp_path, engine)
+    part = next((tmp_path / "out").glob("part-*.parquet"))
+    t = pq.read_table(part)
+    emb = t.column("embedding").to_pylist()
+    emb[2] = emb[0]
+    pq.write_table(t.set_column(t.schema.get_field_index("embedding"), "embedding",
+                                pa.array(emb, type=t.schema.field("embedding").type)), part)
+    assert CliRunner().invoke(cli, ["verify", str(job)]).exit_code == 0  # the manifest's checks pass
+    r = CliRunner().invoke(cli, ["verify", str(job), "--sample", "100"])
+    assert r.exit_code == 1, r.output
+    assert "embedding: 1 of 6 sampled rows are below fidelity_min_cosine 0.98" in r.output
+    assert f"{part.name} row 2 (id 2)" in r.output
+    # the texts come from the job's input: an output alone cannot be sampled
+    r = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--sample", "5"])
+    assert r.exit_code == 2 and "--sample needs the job file" in r.output
+    # an input changed since the run is said, not compared
+    write_parquet(tmp_path / "in.parquet", {"id": [0], "text": ["changed"]})
+    r = CliRunner().invoke(cli, ["verify", str(job), "--sample", "5"])
+    assert r.exit_code == 1 and "is gone or changed since the run; not sampled" in r.output, r.output
+
+
 def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
     from batchembed.errors import RunError
     from batchembed.run import finalize_job

@@ -62,3 +62,17 @@ def vector_matrix(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     dim = col.type.list_size
     values = col.values.slice(col.offset * dim, len(col) * dim)
     return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(len(col), dim)
+
+
+def comparable(col: pa.Array | pa.ChunkedArray, dtype: str, ranges: np.ndarray | None = None) -> np.ndarray:
+    """A vector column (no nulls) as a float (rows, d) matrix whose row cosines compare two
+    columns stored alike: floats as they are, int8 / uint8 mapped back onto each dimension's
+    calibrated range (`ranges`, the middle of each step), sign bits as +1 / -1."""
+    m = vector_matrix(col)
+    if dtype in SCALAR:
+        steps = (ranges[1] - ranges[0]) / 255
+        return ranges[0] + ((m + 128 if dtype == "int8" else m) + 0.5) * steps
+    if dtype in PACKED:
+        packed = (m + 128 if dtype == "binary" else m).astype(np.uint8)
+        return np.unpackbits(packed, axis=1).astype(np.float32) * 2 - 1
+    return m

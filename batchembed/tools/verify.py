@@ -1,14 +1,27 @@
-"""`batchembed verify`: check a finished output against its manifest, reading every part."""
+"""`batchembed verify`: check a finished output against its manifest, reading every part, and
+(--sample) a random sample of its rows against sentence-transformers, re-embedded from the input."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..embed.vectors import SCALAR, vector_matrix
+from .. import fidelity
+from ..embed.matryoshka import l2_normalise
+from ..embed.vectors import PACKED, SCALAR, comparable, vector_array, vector_matrix
+from ..errors import JobError
+from ..inputs.rows import select_rows
 from ..output.layout import MANIFEST, SUCCESS, OutputFolder
+from ..plan import Task
+from ..reuse import TEXT_HASH, text_hashes
 from ..storage import concurrently
+
+if TYPE_CHECKING:
+    from ..job import Prepared
+
+SAMPLE_PARTS = 8  # parts a sample is drawn from: each one's input is read up to its last sampled row
+EXAMPLES = 3  # rows below the threshold named in the message
 
 
 def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
@@ -85,3 +98,117 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
                "failed_rows": manifest["counts"].get("failed_rows", 0),
                "max_norm_error": worst, "norms_checked": not quantized, "ok": not problems}
     return problems, summary
+
+
+def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[list[str], dict]:
+    """(problems, summary) of re-embedding `rows` rows of the job's finished output with
+    sentence-transformers (on CPU) and comparing them, quantised and truncated as stored, with
+    the stored vectors: the fidelity check of the whole run, where the one at the engine's start
+    saw its first 16 rows in a call of their own. The rows are drawn at random (`seed`) from up to
+    SAMPLE_PARTS parts; their texts are read from the job's input and matched by text_hash. Rows
+    with no vector (null or failed), empty texts and chunked long texts are not comparable."""
+    manifest = p.out.read_manifest()
+    if manifest is None:
+        return [f"no {MANIFEST} at {p.out.url}: not a finished batchembed output"], {}
+    if manifest["job"]["digest"] != p.fingerprint.digest:
+        raise JobError(f"--sample: the job file describes another output than {p.out.url} (job digest "
+                       f"{p.fingerprint.digest}, the output's {manifest['job']['digest']})")
+    reason = fidelity.reference_unavailable(p)
+    if reason is not None:
+        raise JobError(f"--sample: no reference vectors for {p.model.path}: {reason}")
+    emb = manifest["embedding"]
+    dtype, columns = emb["output_dtype"], emb["columns"]
+    ranges = {d: np.asarray(emb["calibration"]["ranges"][d], dtype=np.float32) for d in columns} \
+        if dtype in SCALAR else {}
+    id_col = manifest["job"]["columns"]["id"]
+    rng = np.random.default_rng(seed)
+    parts = [e for e in manifest["parts"] if e["rows"]]
+    parts = [parts[i] for i in sorted(rng.choice(len(parts), size=min(SAMPLE_PARTS, len(parts)), replace=False))]
+    offsets = np.cumsum([0] + [e["rows"] for e in parts])
+    drawn = np.sort(rng.choice(offsets[-1], size=min(rows, int(offsets[-1])), replace=False))
+    files = {f.fingerprint["path"]: f for f in p.files}
+    problems: list[str] = []
+
+    def read(k: int) -> list[tuple[str, int, Any, int, str, dict]]:
+        """Part k's drawn rows: (part, row, id, stored text hash, input text, {column: stored vector})."""
+        entry = parts[k]
+        mine = drawn[(drawn >= offsets[k]) & (drawn < offsets[k + 1])] - offsets[k]
+        f = files.get(entry["input"]["path"])
+        if not len(mine):
+            return []
+        if f is None or any(f.fingerprint.get(key) != entry["input"].get(key) for key in ("size", "mtime")):
+            problems.append(f"{entry['name']}: its input {entry['input']['path']} is gone or changed since the run; "
+                            "not sampled")
+            return []
+        with p.out.open_part(entry["name"]) as part:
+            stored = part.read([id_col, TEXT_HASH, *columns.values()]).take(mine)
+        a, b = entry["input"]["row_groups"]
+        task = Task(-1, f, tuple(range(a, b)), entry["rows"], 0)
+        texts: dict[int, str | None] = {}
+        seen, want = 0, set(mine.tolist())
+        for batch in p.iter_batches(task, 8192):
+            _, batch_texts, _ = select_rows(p.spec.input, batch)
+            texts.update((seen + i, t) for i, t in enumerate(batch_texts) if seen + i in want)
+            seen += len(batch_texts)
+            if seen > mine[-1]:
+                break
+        hashes = stored.column(TEXT_HASH).fill_null(0).to_numpy(zero_copy_only=False)  # null: a null text
+        return [(entry["name"], int(r), stored.column(id_col)[i].as_py(), int(hashes[i]), texts.get(int(r)),
+                 {c: stored.column(c)[i] for c in columns.values()}) for i, r in enumerate(mine)]
+
+    sampled = [row for part_rows in concurrently(read, list(range(len(parts))), threads) for row in part_rows]
+    skipped = {"no vector": 0, "empty text": 0, "chunked": 0}
+    keep = []
+    for row in sampled:
+        name, r, row_id, stored_hash, text, vectors = row
+        if any(not v.is_valid for v in vectors.values()) or text is None:
+            skipped["no vector"] += 1
+        elif int(text_hashes([text])[0]) != stored_hash:
+            problems.append(f"{name} row {r} (id {row_id}): its text_hash is not that of the input's text there "
+                            "(the input changed since the run?)")
+        elif text == "":
+            skipped["empty text"] += 1
+        else:
+            keep.append(row)
+    chunked = p.tokenizer()([row[4] for row in keep]).chunks or {}
+    skipped["chunked"] = len(chunked)
+    keep = [row for i, row in enumerate(keep) if i not in chunked]
+    required = sign_cosine(p.spec.fidelity_min_cosine) if dtype in PACKED else p.spec.fidelity_min_cosine
+    summary: dict = {"rows": len(keep), "seed": seed, "parts": len(parts), "skipped": skipped,
+                     "min_cosine_required": round(required, 6), "columns": {}}
+    if not keep:
+        problems.append("--sample: none of the drawn rows could be compared (" +
+                        ", ".join(f"{n} {why}" for why, n in skipped.items() if n) + ")")
+        return problems, summary
+    ref = fidelity.reference_vectors(str(p.model.path), p.max_length, p.spec.model.text_prefix,
+                                     [row[4] for row in keep])
+    valid = np.ones(len(keep), dtype=bool)
+    for d, col in columns.items():
+        expected = vector_array(l2_normalise(ref[:, :int(d)]), valid, dtype, ranges.get(d))
+        stored = comparable(_column([row[5][col] for row in keep]), dtype, ranges.get(d))
+        cos = fidelity.cosines(stored, comparable(expected, dtype, ranges.get(d)))
+        summary["columns"][col] = {"min_cosine": round(float(cos.min()), 6), "mean_cosine": round(float(cos.mean()), 6)}
+        low = np.flatnonzero(cos < required)
+        if len(low):
+            named = "; ".join(f"{keep[i][0]} row {keep[i][1]} (id {keep[i][2]}): {cos[i]:.4f}" for i in low[:EXAMPLES])
+            what = (f"{required:.4f} (the sign bits' agreement that fidelity_min_cosine "
+                    f"{p.spec.fidelity_min_cosine} allows)" if dtype in PACKED
+                    else f"fidelity_min_cosine {p.spec.fidelity_min_cosine}")
+            problems.append(f"{col}: {len(low)} of {len(keep)} sampled rows are below {what} against "
+                            f"sentence-transformers: {named}")
+    return problems, summary
+
+
+def sign_cosine(cosine: float) -> float:
+    """The cosine of two vectors' sign bits (as +1 / -1) to expect when the vectors' own cosine is
+    `cosine`: a sign differs with probability angle / pi (random hyperplanes, as in SimHash), so
+    1 - 2 * arccos(cosine) / pi. Binary outputs hold only the signs, and a float error that a
+    float output's threshold allows flips the signs of the components near zero."""
+    return 1 - 2 * float(np.arccos(np.clip(cosine, -1, 1))) / np.pi
+
+
+def _column(scalars: list) -> Any:
+    """One fixed-size-list array from the stored vectors of several rows (pyarrow scalars)."""
+    import pyarrow as pa
+
+    return pa.array([s.as_py() for s in scalars], type=scalars[0].type)
