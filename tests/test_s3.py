@@ -73,6 +73,13 @@ def test_s3_in_and_out_with_env_credentials(tmp_path, s3_env, engine):
     problems, summary = verify_output("s3://corpus/basic/out/", {"endpoint_url": s3_env.endpoint})
     assert problems == [] and summary["rows"] == 60
     assert run_job(spec, engine=engine, show_progress=False).tasks_run == 0
+    # stored vectors against sentence-transformers, the texts read back from the input on S3
+    from click.testing import CliRunner
+
+    from batchembed.cli import cli
+
+    r = CliRunner().invoke(cli, ["verify", str(tmp_path / "job.yaml"), "--sample", "10", "--seed", "1"])
+    assert r.exit_code == 0 and "sample: 10 rows of 3 parts re-embedded" in r.output, r.output
 
 
 def test_incremental_run_with_its_previous_output_on_s3(s3_env, engine):

@@ -136,14 +136,14 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
         f = files.get(entry["input"]["path"])
         if not len(mine):
             return []
-        if f is None or any(f.fingerprint.get(key) != entry["input"].get(key) for key in ("size", "mtime")):
+        a, b = entry["input"]["row_groups"]
+        task = Task(-1, f, tuple(range(a, b)), entry["rows"], 0) if f is not None else None
+        if task is None or task.input_fingerprint != entry["input"]:  # as resume tells a changed input
             problems.append(f"{entry['name']}: its input {entry['input']['path']} is gone or changed since the run; "
                             "not sampled")
             return []
         with p.out.open_part(entry["name"]) as part:
             stored = part.read([id_col, TEXT_HASH, *columns.values()]).take(mine)
-        a, b = entry["input"]["row_groups"]
-        task = Task(-1, f, tuple(range(a, b)), entry["rows"], 0)
         texts: dict[int, str | None] = {}
         seen, want = 0, set(mine.tolist())
         for batch in p.iter_batches(task, 8192):
