@@ -120,9 +120,12 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
     dtype, columns = emb["output_dtype"], emb["columns"]
     ranges = {d: np.asarray(emb["calibration"]["ranges"][d], dtype=np.float32) for d in columns} \
         if dtype in SCALAR else {}
-    id_col = manifest["job"]["columns"]["id"]
+    id_col = p.spec.input.id_column
     rng = np.random.default_rng(seed)
     parts = [e for e in manifest["parts"] if e["rows"]]
+    if not parts:
+        return [], {"rows": 0, "seed": seed, "parts": 0, "skipped": {}, "columns": {},
+                    "min_cosine_required": p.spec.fidelity_min_cosine}
     parts = [parts[i] for i in sorted(rng.choice(len(parts), size=min(SAMPLE_PARTS, len(parts)), replace=False))]
     offsets = np.cumsum([0] + [e["rows"] for e in parts])
     drawn = np.sort(rng.choice(offsets[-1], size=min(rows, int(offsets[-1])), replace=False))
