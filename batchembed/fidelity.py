@@ -240,12 +240,15 @@ def reference_vectors(model_path: str, max_length: int, prefix: str, texts: list
     return np.asarray(vectors, dtype=np.float32)
 
 
-def reference_unavailable(p: Prepared) -> str | None:
-    """Why sentence-transformers cannot give this job's reference vectors here, or None."""
+def reference_unavailable(p: Prepared, beside_engine: bool = True) -> str | None:
+    """Why sentence-transformers cannot give this job's reference vectors here, or None.
+    `beside_engine`: the run's check, where the engine holds the model too (a size limit)."""
     if not (p.model.path / "modules.json").is_file():
         return "the model folder has no modules.json (not a sentence-transformers model)"
     if importlib.util.find_spec("sentence_transformers") is None:
         return "sentence-transformers is not installed"
+    if not beside_engine:
+        return None
     weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in p.model.path.glob(pattern))
     if weights > MAX_REFERENCE_BYTES:
         return (f"the model's weights are {weights / 2**30:.1f} GiB, too large to load a second time on CPU "

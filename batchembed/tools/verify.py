@@ -113,7 +113,7 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
     if manifest["job"]["digest"] != p.fingerprint.digest:
         raise JobError(f"--sample: the job file describes another output than {p.out.url} (job digest "
                        f"{p.fingerprint.digest}, the output's {manifest['job']['digest']})")
-    reason = fidelity.reference_unavailable(p)
+    reason = fidelity.reference_unavailable(p, beside_engine=False)
     if reason is not None:
         raise JobError(f"--sample: no reference vectors for {p.model.path}: {reason}")
     emb = manifest["embedding"]
