@@ -11,12 +11,16 @@ import logging
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from . import __version__
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .logs import exit_now, setup_logging
+
+if TYPE_CHECKING:
+    from .config import JobSpec
 
 log = logging.getLogger("batchembed")
 
@@ -250,25 +254,30 @@ _storage_option = click.option("--storage-option", "options", multiple=True, met
                                help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:8333. Repeatable.")
 
 
-def _output_of(output_or_job: str, options) -> tuple[str, dict]:
-    """The output URI and storage options an OUTPUT_OR_JOB argument names: the URI itself, or a job
-    file's output.uri and output.storage_options (--storage-option over them)."""
+def _output_of(output_or_job: str, options, overrides=()) -> tuple[str, dict, JobSpec | None]:
+    """The output URI and storage options an OUTPUT_OR_JOB argument names, and the job: the URI
+    itself (no job), or a job file's output.uri and output.storage_options (--storage-option over
+    them; --set as for run)."""
     storage = _storage_options(options)
     if output_or_job.endswith((".yaml", ".yml")):
-        spec = _load(output_or_job, [])
-        return spec.output.uri, {**spec.output.storage_options, **storage}
-    return output_or_job, storage
+        spec = _load(output_or_job, overrides)
+        spec.output.storage_options = {**spec.output.storage_options, **storage}
+        return spec.output.uri, spec.output.storage_options, spec
+    if overrides:
+        raise JobError(f"--set overrides a job file's keys; {output_or_job} is an output")
+    return output_or_job, storage, None
 
 
 @cli.command()
 @click.argument("output_or_job")
 @_storage_option
+@_set_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def inspect(output_or_job, options, as_json):
+def inspect(output_or_job, options, overrides, as_json):
     """Show what an output holds: rows, columns, dimensions, norm statistics, a few rows, the manifest.
 
     Exit 0 for a finished output, 1 for one without _SUCCESS (still shown). OUTPUT_OR_JOB is an
-    output URI or a job file (its output.uri and storage options).
+    output URI or a job file (its output.uri and storage options; --set as for run).
 
     \b
       batchembed inspect out/quickstart-emb/
@@ -277,7 +286,7 @@ def inspect(output_or_job, options, as_json):
     """
     from .tools.inspect import inspect_output, render
 
-    output_uri, storage = _output_of(output_or_job, options)
+    output_uri, storage, _ = _output_of(output_or_job, options, overrides)
     info = inspect_output(output_uri, storage)
     click.echo(json.dumps(info, indent=2, default=str) if as_json else render(info))
     if not info["finished"]:
@@ -307,16 +316,10 @@ def verify(output_or_job, options, overrides, sample_rows, seed, as_json):
     """
     from .tools.verify import check_sample, verify_output
 
-    is_job = output_or_job.endswith((".yaml", ".yml"))
-    if (sample_rows or overrides) and not is_job:
-        raise JobError(f"{'--sample' if sample_rows else '--set'} needs the job file, not the output "
-                       f"{output_or_job}: the texts are read from its input")
-    if is_job:
-        spec = _load(output_or_job, overrides)
-        spec.output.storage_options = {**spec.output.storage_options, **_storage_options(options)}
-        output_uri, storage = spec.output.uri, spec.output.storage_options
-    else:
-        output_uri, storage = _output_of(output_or_job, options)
+    output_uri, storage, spec = _output_of(output_or_job, options, overrides)
+    if sample_rows and spec is None:
+        raise JobError(f"--sample needs the job file, not the output {output_or_job}: the texts are read "
+                       "from its input")
     problems, summary = verify_output(output_uri, storage)
     if sample_rows and summary:
         from .job import prepare
@@ -354,15 +357,17 @@ def _sample_line(s: dict) -> str:
 @cli.command()
 @click.argument("output_or_job")
 @_storage_option
+@_set_option
 @click.option("-o", "--out", "out_path", default="batchembed-report.html", show_default=True,
               type=click.Path(dir_okay=False), help="Where to write the HTML page.")
 @click.option("--sample-rows", default=2000, show_default=True, type=click.IntRange(12),
               help="Rows sampled for the Matryoshka recall chart.")
-def report(output_or_job, options, out_path, sample_rows):
+def report(output_or_job, options, overrides, out_path, sample_rows):
     """Write a self-contained HTML page about an output: token lengths, engine throughput over
     the last run, and recall@10 at each smaller Matryoshka dimension beside bytes per row.
 
-    OUTPUT_OR_JOB is an output URI or a job file (its output.uri and storage options).
+    OUTPUT_OR_JOB is an output URI or a job file (its output.uri and storage options; --set as for
+    run).
 
     \b
       batchembed report out/quickstart-emb/ -o report.html
@@ -370,7 +375,8 @@ def report(output_or_job, options, out_path, sample_rows):
     """
     from .tools.report import build_report
 
-    page = build_report(*_output_of(output_or_job, options), sample_rows)
+    output_uri, storage, _ = _output_of(output_or_job, options, overrides)
+    page = build_report(output_uri, storage, sample_rows)
     with open(out_path, "w", encoding="utf-8") as f:
         f.write(page)
     click.echo(f"batchembed: report written to {out_path}", err=True)

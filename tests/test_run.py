@@ -314,6 +314,15 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     assert "3 rows in 1 parts, finished" in CliRunner().invoke(cli, ["inspect", str(job)]).output
     r = CliRunner().invoke(cli, ["verify", str(job)])
     assert r.exit_code == 0 and r.output.startswith("ok: 1 parts, 3 rows"), r.output
+    # a nightly job's output is the job file with the run's --set; an output URI takes none
+    (tmp_path / "out").rename(tmp_path / "out-2026-12-06")
+    moved = f"output.uri={tmp_path / 'out-2026-12-06'}"
+    for cmd in (["inspect"], ["verify"], ["report", "-o", str(tmp_path / "r.html")]):
+        r = CliRunner().invoke(cli, [*cmd, str(job), "--set", moved])
+        assert r.exit_code == 0, (cmd, r.output)
+        r = CliRunner().invoke(cli, [*cmd, str(tmp_path / "out-2026-12-06"), "--set", moved])
+        assert r.exit_code == 2 and "--set overrides a job file's keys" in r.output, (cmd, r.output)
+    (tmp_path / "out-2026-12-06").rename(tmp_path / "out")
     # a file where an output folder belongs is a bad command line, said so (it was a traceback)
     for cmd in ("inspect", "verify"):
         r = CliRunner().invoke(cli, [cmd, str(tmp_path / "in.parquet")])
