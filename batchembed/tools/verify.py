@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from .. import fidelity
 from ..embed.matryoshka import l2_normalise
@@ -132,19 +133,20 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
     files = {f.fingerprint["path"]: f for f in p.files}
     problems: list[str] = []
 
-    def read(k: int) -> list[tuple[str, int, Any, int, str, dict]]:
-        """Part k's drawn rows: (part, row, id, stored text hash, input text, {column: stored vector})."""
+    def read(k: int) -> tuple[pa.Table, list[tuple[str, int, str | None]]] | None:
+        """Part k's drawn rows as stored (id, text_hash, vectors), and for each its (part, row,
+        input text); None where none was drawn or its input changed."""
         entry = parts[k]
         mine = drawn[(drawn >= offsets[k]) & (drawn < offsets[k + 1])] - offsets[k]
-        f = files.get(entry["input"]["path"])
         if not len(mine):
-            return []
+            return None
+        f = files.get(entry["input"]["path"])
         a, b = entry["input"]["row_groups"]
         task = Task(-1, f, tuple(range(a, b)), entry["rows"], 0) if f is not None else None
         if task is None or task.input_fingerprint != entry["input"]:  # as resume tells a changed input
             problems.append(f"{entry['name']}: its input {entry['input']['path']} is gone or changed since the run; "
                             "not sampled")
-            return []
+            return None
         with p.out.open_part(entry["name"]) as part:
             stored = part.read([id_col, TEXT_HASH, *columns.values()]).take(mine)
         texts: dict[int, str | None] = {}
@@ -155,27 +157,31 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
             seen += len(batch_texts)
             if seen > mine[-1]:
                 break
-        hashes = stored.column(TEXT_HASH).fill_null(0).to_numpy(zero_copy_only=False)  # null: a null text
-        return [(entry["name"], int(r), stored.column(id_col)[i].as_py(), int(hashes[i]), texts.get(int(r)),
-                 {c: stored.column(c)[i] for c in columns.values()}) for i, r in enumerate(mine)]
+        return stored, [(entry["name"], int(r), texts.get(int(r))) for r in mine]
 
-    sampled = [row for part_rows in concurrently(read, list(range(len(parts))), threads) for row in part_rows]
+    found = [r for r in concurrently(read, list(range(len(parts))), threads) if r is not None]
+    stored = pa.concat_tables([t for t, _ in found], promote_options="permissive") if found else None
+    where = [w for _, ws in found for w in ws]  # (part, row, input text) of each row of `stored`
     skipped = {"no vector": 0, "empty text": 0, "chunked": 0}
-    keep = []
-    for row in sampled:
-        name, r, row_id, stored_hash, text, vectors = row
-        if any(not v.is_valid for v in vectors.values()) or text is None:
-            skipped["no vector"] += 1
-        elif int(text_hashes([text])[0]) != stored_hash:
-            problems.append(f"{name} row {r} (id {row_id}): its text_hash is not that of the input's text there "
-                            "(the input changed since the run?)")
-        elif text == "":
-            skipped["empty text"] += 1
-        else:
-            keep.append(row)
-    chunked = p.tokenizer()([row[4] for row in keep]).chunks or {}
-    skipped["chunked"] = len(chunked)
-    keep = [row for i, row in enumerate(keep) if i not in chunked]
+    keep: list[int] = []
+    if stored is not None:
+        texts = [text for _, _, text in where]
+        has_vector = np.logical_and.reduce([stored.column(c).is_valid().to_numpy(zero_copy_only=False)
+                                            for c in columns.values()])
+        matches = text_hashes(texts) == stored.column(TEXT_HASH).fill_null(0).to_numpy(zero_copy_only=False)
+        for i, (name, r, text) in enumerate(where):
+            if not has_vector[i] or text is None:
+                skipped["no vector"] += 1
+            elif not matches[i]:
+                problems.append(f"{name} row {r} (id {stored.column(id_col)[i].as_py()}): its text_hash is not "
+                                "that of the input's text there (the input changed since the run?)")
+            elif text == "":
+                skipped["empty text"] += 1
+            else:
+                keep.append(i)
+        chunked = p.tokenizer()([texts[i] for i in keep]).chunks or {}
+        skipped["chunked"] = len(chunked)
+        keep = [i for j, i in enumerate(keep) if j not in chunked]
     required = sign_cosine(p.spec.fidelity_min_cosine) if dtype in PACKED else p.spec.fidelity_min_cosine
     summary: dict = {"rows": len(keep), "seed": seed, "parts": len(parts), "skipped": skipped,
                      "min_cosine_required": round(required, 6), "columns": {}}
@@ -184,16 +190,18 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
                         ", ".join(f"{n} {why}" for why, n in skipped.items() if n) + ")")
         return problems, summary
     ref = fidelity.reference_vectors(str(p.model.path), p.max_length, p.spec.model.text_prefix,
-                                     [row[4] for row in keep])
+                                     [where[i][2] for i in keep])
+    stored = stored.take(keep)
     valid = np.ones(len(keep), dtype=bool)
     for d, col in columns.items():
         expected = vector_array(l2_normalise(ref[:, :int(d)]), valid, dtype, ranges.get(d))
-        stored = comparable(_column([row[5][col] for row in keep]), dtype, ranges.get(d))
-        cos = fidelity.cosines(stored, comparable(expected, dtype, ranges.get(d)))
+        cos = fidelity.cosines(comparable(stored.column(col), dtype, ranges.get(d)),
+                               comparable(expected, dtype, ranges.get(d)))
         summary["columns"][col] = {"min_cosine": round(float(cos.min()), 6), "mean_cosine": round(float(cos.mean()), 6)}
         low = np.flatnonzero(cos < required)
         if len(low):
-            named = "; ".join(f"{keep[i][0]} row {keep[i][1]} (id {keep[i][2]}): {cos[i]:.4f}" for i in low[:EXAMPLES])
+            named = "; ".join(f"{where[keep[j]][0]} row {where[keep[j]][1]} (id {stored.column(id_col)[j].as_py()}): "
+                              f"{cos[j]:.4f}" for j in low[:EXAMPLES])
             what = (f"{required:.4f} (the sign bits' agreement that fidelity_min_cosine "
                     f"{p.spec.fidelity_min_cosine} allows)" if dtype in PACKED
                     else f"fidelity_min_cosine {p.spec.fidelity_min_cosine}")
@@ -209,9 +217,3 @@ def sign_cosine(cosine: float) -> float:
     float output's threshold allows flips the signs of the components near zero."""
     return 1 - 2 * float(np.arccos(np.clip(cosine, -1, 1))) / np.pi
 
-
-def _column(scalars: list) -> Any:
-    """One fixed-size-list array from the stored vectors of several rows (pyarrow scalars)."""
-    import pyarrow as pa
-
-    return pa.array([s.as_py() for s in scalars], type=scalars[0].type)
