@@ -19,17 +19,16 @@ import sys
 import numpy as np
 import pyarrow as pa
 
+from batchembed.embed.vectors import vector_matrix
 from batchembed.errors import JobError, RunError
+from batchembed.fidelity import cosines
 from batchembed.tools.read import read_output
 
 
 def vectors(table: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rows x d float32 with zeros where null, the null mask)."""
+    """(rows x d float32, whatever a null row's slots hold; the null mask)."""
     col = table[column].combine_chunks()
-    null = np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-    d = col.type.list_size
-    flat = col.fill_null(pa.scalar([0.0] * d, col.type)).flatten().to_numpy(zero_copy_only=False)
-    return flat.astype(np.float32).reshape(-1, d), null
+    return vector_matrix(col), np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def compare(a_uri: str, b_uri: str, min_cosine: float) -> tuple[dict, bool]:
@@ -51,7 +50,7 @@ def compare(a_uri: str, b_uri: str, min_cosine: float) -> tuple[dict, bool]:
         vb, nb = vectors(b, column)
         va, na, vb, nb = va[ia], na[ia], vb[ib], nb[ib]
         both = ~na & ~nb
-        cos = np.einsum("ij,ij->i", va[both], vb[both])
+        cos = cosines(va[both], vb[both])
         diff = float(np.abs(va[both] - vb[both]).max()) if both.any() else 0.0
         r = {"compared": int(both.sum()), "null_in_one": int((na != nb).sum()),
              "min_cosine": float(cos.min()) if cos.size else None,
