@@ -17,6 +17,7 @@
 #   where vLLM 0.24 has known races; run-c: with chunked prefill off, so no row is split), and the
 #   real MiniLM @ 256 (its fidelity check on, and
 #   `verify --sample 256` of each run's output against sentence-transformers)
+# qwen-async: step 2's job, then the same with async scheduling on, its vectors compared with the first's
 # STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
 # on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
 # About 16 minutes on an H200, longer than one device call (10 minutes): start it in a session of
@@ -51,6 +52,9 @@ for name in ${STEPS:-startup qwen bge end build}; do
         bash scripts/gpu_tuned.sh "$OUT/async-qwen" qwen3-0.6b 512 600 40000 1 2000
       step async-minilm env AB_SET=engine.vllm_args.async_scheduling=true AB_ORDER=ABBA COMPARE=1 VERIFY_SAMPLE=256 \
         bash scripts/gpu_tuned.sh "$OUT/async-minilm" minilm 256 1000 40000 1 2000 ;;
+    qwen-async)
+      step qwen-async env AB_SET=engine.vllm_args.async_scheduling=true COMPARE=1 \
+        bash scripts/gpu_tuned.sh "$OUT/qwen-async" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
     *) echo "unknown step: $name" >> "$OUT/progress.txt" ;;
   esac
 done
