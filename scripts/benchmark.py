@@ -68,8 +68,9 @@ def make_llm(path, dtype, max_len, **kw):
     return LLM(model=str(path), runner="pooling", dtype=dtype, max_model_len=max_len, enforce_eager=_on_cpu(),
                gpu_memory_utilization=0.1 if _on_cpu() else 0.9, seed=0,
                # as batchembed has it: with vLLM's default (on for causal last-token poolers such as
-               # Qwen3-Embedding) variants a and b stalled on this corpus's shared prefixes on the H200
-               enable_prefix_caching=False, **kw)
+               # Qwen3-Embedding) variants a and b stalled on this corpus's shared prefixes on the H200;
+               # with chunked prefill on, a decoder's row split across steps stalls vLLM 0.24 on a GPU
+               enable_prefix_caching=False, enable_chunked_prefill=False, **kw)
 
 
 def _on_cpu() -> bool:

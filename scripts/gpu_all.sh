@@ -13,8 +13,9 @@
 # and, named in STEPS only, imports: gpu_build.sh's timings of vLLM's import alone (REPEAT 0);
 # async: vLLM's async scheduling (off for pooling models by default) on and off, ABBA, each run's
 #   vectors compared with the first's (COMPARE=1): one Qwen3 engine @ 512 on 40,000 rows of mixed
-#   lengths (docstrings joined to 600 characters: vLLM splits a row across steps at every step's end,
-#   where vLLM 0.24 has known races; run-c: with chunked prefill off, so no row is split), and the
+#   lengths (docstrings joined to 600 characters; batchembed's steps hold whole rows, chunked prefill
+#   off; run-c: async with vLLM's chunked prefill on, which splits a row at every step's end, where
+#   vLLM 0.24 has known races and, without async, stalled), and the
 #   real MiniLM @ 256 (its fidelity check on, and
 #   `verify --sample 256` of each run's output against sentence-transformers)
 # qwen-async: step 2's job, then the same with async scheduling on, its vectors compared with the first's
@@ -48,7 +49,7 @@ for name in ${STEPS:-startup qwen bge end build}; do
     build) step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1 ;;
     async)
       step async-qwen env AB_SET=engine.vllm_args.async_scheduling=true AB_ORDER=ABBA COMPARE=1 \
-        VARIANTS="run-c -- --set engine.vllm_args.async_scheduling=true --set engine.vllm_args.enable_chunked_prefill=false" \
+        VARIANTS="run-c -- --set engine.vllm_args.async_scheduling=true --set engine.vllm_args.enable_chunked_prefill=true" \
         bash scripts/gpu_tuned.sh "$OUT/async-qwen" qwen3-0.6b 512 600 40000 1 2000
       step async-minilm env AB_SET=engine.vllm_args.async_scheduling=true AB_ORDER=ABBA COMPARE=1 VERIFY_SAMPLE=256 \
         bash scripts/gpu_tuned.sh "$OUT/async-minilm" minilm 256 1000 40000 1 2000 ;;

@@ -85,7 +85,9 @@ PY
     echo "verify --sample $VERIFY_SAMPLE: exit $?"; tail -2 "$OUT/sample-$name.txt"
   fi
   if [ -n "${COMPARE:-}" ]; then  # COMPARE=1: every later run's vectors against the first run's
-    if [ -d "$W/out-first" ]; then
+    if [ "$rc" != 0 ]; then
+      echo "compare: this run failed (exit $rc); the next finished run is the one compared with"
+    elif [ -d "$W/out-first" ]; then
       python3 scripts/compare_outputs.py "$W/out-first" "$W/out" > "$OUT/compare-$name.json" 2> "$OUT/compare-$name.txt"
       echo "compare with the first run: exit $?"; cat "$OUT/compare-$name.txt"
     else

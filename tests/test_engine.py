@@ -181,6 +181,8 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
     assert gpu["max_num_batched_tokens"] == 65536 and gpu["gpu_memory_utilization"] == 0.45
     assert gpu["kv_cache_memory_bytes"] == max(kv_cache_bytes(decoder, "bfloat16", 2 * 65536), 256 * 2**20)
     assert gpu["enable_prefix_caching"] is False and gpu["runner"] == "pooling"
+    # whole rows in every step: a decoder's row split across steps stalled vLLM 0.24 on a GPU
+    assert gpu["enable_chunked_prefill"] is False
     # an encoder on a GPU: eager, so no compilation settings
     encoder = vllm_args(model_info, "bfloat16", 256, EngineSpec(), on_cpu=False)
     assert encoder["enforce_eager"] is True and "compilation_config" not in encoder
