@@ -341,12 +341,13 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
         # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
         # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
         enable_prefix_caching=False,
-        # Every step holds whole rows (the budget is at least max_length): with chunked prefill on,
-        # vLLM fills a step's last tokens with the start of the next row, and a decoder's row split
-        # so (last-token pooling, vLLM 0.24 on a GPU) stalled the engine for good: no vector came
-        # back for any row queued after it (Qwen3-0.6B shape @ 512 on texts of mixed lengths, two
-        # fresh H100s, 2026-12-06; the same job with it off ran through, notes/performance.md).
-        # vLLM PR 48901 (after 0.24) fixed wrong vectors of such split rows. Encoders never chunk.
+        # Every step holds whole rows (the budget is at least max_length). With chunked prefill on,
+        # vLLM fills a step's last tokens with the start of the next row, and a decoder's row of
+        # max_length tokens (a truncated one) split so never finishes: vLLM 0.24's scheduler keeps
+        # one position free for a sampled token that a pooling request never has (vLLM issues 55427,
+        # 47971). Every run of a Qwen3-0.6B shape @ 512 on texts of mixed lengths stalled so (two
+        # fresh H100s, 2026-12-06; with it off it ran through, notes/performance.md). vLLM PRs 48214
+        # and 48901 (after 0.24) fix wrong vectors of split rows too. Encoders never chunk.
         enable_chunked_prefill=False,
     )
     kv_bytes = kv_cache_bytes(model, dtype, 2 * token_budget)
