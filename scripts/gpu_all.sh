@@ -7,9 +7,11 @@
 #   1. startup  QWEN=0 scripts/gpu_startup.sh: MiniLM's start on the fresh machine, cold, six engines
 #   2. qwen     scripts/gpu_tuned.sh qwen3-0.6b 512 3000 200000 1,2 20000: `tune` chooses the engines
 #               on 20,000 rows, then the 200 k-row job runs as tune wrote it (the 0.42 M target)
-#   3. bge      scripts/gpu_tuned.sh bge-base 80 500 2000000 6,8 200000 (the 1.4 M / 1.8 M targets)
-#   4. end      scripts/gpu_end.sh: how runs of one and six engines end
-#   5. build    scripts/gpu_build.sh qwen3-0.6b 512 1: a build with and without the GC switch
+#   3. mixed    scripts/gpu_tuned.sh qwen3-0.6b 512 600 40000 1 2000: a decoder on texts of mixed lengths
+#               (step 2's are all exactly 512 tokens, and never showed the stall that split rows caused)
+#   4. bge      scripts/gpu_tuned.sh bge-base 80 500 2000000 6,8 200000 (the 1.4 M / 1.8 M targets)
+#   5. end      scripts/gpu_end.sh: how runs of one and six engines end
+#   6. build    scripts/gpu_build.sh qwen3-0.6b 512 1: a build with and without the GC switch
 # and, named in STEPS only, imports: gpu_build.sh's timings of vLLM's import alone (REPEAT 0);
 # async: vLLM's async scheduling (off for pooling models by default) on and off, ABBA, each run's
 #   vectors compared with the first's (COMPARE=1): one Qwen3 engine @ 512 on 40,000 rows of mixed
@@ -21,7 +23,7 @@
 # qwen-async: step 2's job, then the same with async scheduling on, its vectors compared with the first's
 # STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
 # on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
-# About 16 minutes on an H200, longer than one device call (10 minutes): start it in a session of
+# About 18 minutes on an H200 (mixed adds ~1.5), longer than one device call (10 minutes): start it in a session of
 # its own and wait for OUT_DIR/DONE over several calls, e.g.
 #   setsid bash scripts/gpu_all.sh ~/all > ~/all.log 2>&1 < /dev/null &
 # OUT_DIR/progress.txt has a line as each step starts and ends; OUT_DIR.tgz holds every step's
@@ -39,10 +41,11 @@ step() {  # step NAME COMMAND...: COMMAND's output in OUT_DIR/NAME.txt, its star
 echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader), $(nproc) cores, $(date -u +%FT%TZ), code ${CODE:-$(git rev-parse --short HEAD 2>/dev/null)}" \
   > "$OUT/progress.txt"
 [ -d ~/models/bge-base ] || step mkmodels python3 "$MKMODELS" ~/models/minilm ~/models
-for name in ${STEPS:-startup qwen bge end build}; do
+for name in ${STEPS:-startup qwen mixed bge end build}; do
   case $name in
     startup) step startup env QWEN=0 bash scripts/gpu_startup.sh "$OUT/startup" ;;
     qwen) step qwen bash scripts/gpu_tuned.sh "$OUT/qwen" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
+    mixed) step mixed bash scripts/gpu_tuned.sh "$OUT/mixed" qwen3-0.6b 512 600 40000 1 2000 ;;
     bge) step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 2000000 6,8 200000 ;;
     end) step end bash scripts/gpu_end.sh "$OUT/end" ;;
     imports) step imports bash scripts/gpu_build.sh "$OUT/imports" qwen3-0.6b 512 0 ;;
