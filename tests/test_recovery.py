@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,6 +54,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     text = (tmp_path / "run.log").read_text()
     assert proc.returncode == 0, text[-3000:]
     assert ("is gone" if fault == "kill" else "no vector came back for") in text, text[-3000:]
+    if fault == "stop":  # the stall's message says what was queued: how many rows, how long
+        assert re.search(r"no vector came back for \d+ s with \d+ sequences queued \(\d+ to \d+ tokens, "
+                         r"0 of model.max_length \d+\)", text), text[-3000:]
     assert "engine restarted in" in text and "Traceback" not in text
     assert not os.path.exists(f"/proc/{core}") or _comm(core) == "", "the failed engine's process outlived it"
     assert group_alive(proc.pid) == [], "processes of the run outlived it"
@@ -137,6 +141,7 @@ def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finis
                           env={**os.environ, HANG_TOKEN_ENV: str(marker)}, start_new_session=True)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "no vector came back for" in proc.stderr and "It runs in this process (engine.in_process)" in proc.stderr
+    assert re.search(r"with \d+ sequences queued \(\d+ to \d+ tokens, 0 of model.max_length \d+\)", proc.stderr)
     assert "Traceback" not in proc.stderr
     commits = sorted(p.name for p in (tmp_path / "out" / "_commits").glob("*.json"))
     assert len(commits) == 3  # the parts before the stalled row's

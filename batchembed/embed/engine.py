@@ -624,10 +624,11 @@ class Engine:
         self._params = PoolingParams(task="embed")
         self._prompt = _prompt_maker()
         self._ids = itertools.count()
-        self._slots: dict[str, tuple[Pending, int]] = {}  # request id -> (its submission, position)
+        # request id -> (its submission, position, tokens)
+        self._slots: dict[str, tuple[Pending, int, int]] = {}
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
         self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s,
-                                 in_process=self.in_process)
+                                 in_process=self.in_process, queued=self._queued)
         reject, hang, fail = (os.environ.get(k) for k in (REJECT_TOKEN_ENV, HANG_TOKEN_ENV, FAIL_TOKEN_ENV))
         self._reject = int(reject) if reject else None
         self._hang = int(hang) if hang else None
@@ -650,7 +651,7 @@ class Engine:
         slots, ids, params = self._slots, self._ids, self._params
         for i, seq in enumerate(token_ids):
             rid = str(next(ids))
-            slots[rid] = (pending, i)
+            slots[rid] = (pending, i, len(seq))
             if self._reject is not None and self._reject in seq:
                 self._rejected.add(rid)
             if self._fail is not None and self._fail in seq:
@@ -700,7 +701,7 @@ class Engine:
             slot = self._slots.pop(out.request_id.split("-", 1)[0], None)
             if slot is None:  # a request aborted after a failure, finished before the abort reached it
                 continue
-            pending, i = slot
+            pending, i, _ = slot
             if getattr(out, "error", None) is not None:
                 self.abort()
                 raise RequestFailure(f"the engine failed a request of {len(out.prompt_token_ids)} tokens: "
@@ -712,6 +713,18 @@ class Engine:
                 raise RunError(f"engine returned shape {tuple(data.shape)} per row, expected one vector of "
                                f"{self.dimension}: the model's pooling does not produce sentence embeddings")
             pending.put(i, data)
+
+    def _queued(self) -> str:
+        """What is queued, for a stall's message: how many sequences, their lengths, and how many
+        have the engine's most tokens (a row split across steps at that length never finished on
+        vLLM 0.24: vllm_args)."""
+        lengths = [n for _, _, n in list(self._slots.values())]
+        if not lengths:
+            return "no sequences queued"
+        most = self.key.max_length
+        full = sum(n >= most for n in lengths)
+        return f"{len(lengths)} sequences queued ({min(lengths)} to {max(lengths)} tokens, {full} of " \
+               f"model.max_length {most})"
 
     def abort(self) -> None:
         """Drop every queued sequence (after a failure, so a reused engine starts clean)."""

@@ -93,8 +93,9 @@ class Watchdog:
     `progress()` is called by the engine whenever vectors come back (or work starts)."""
 
     def __init__(self, procs: list[tuple[int, str]], busy, wake, stall_timeout_s: float | None,
-                 in_process: bool = False):
+                 in_process: bool = False, queued=None):
         self.procs, self.busy, self.wake, self.fixed = procs, busy, wake, stall_timeout_s
+        self.queued = queued  # what is queued, in words, for a stall's message
         self.in_process = in_process
         self.failure: str | None = None
         self.slowest = 0.0
@@ -118,9 +119,17 @@ class Watchdog:
             return f"engine process {gone[0][0]} is gone"
         waited = time.monotonic() - self._last
         if self.busy() and waited > self.stall_timeout_s:
-            return f"no vector came back for {waited:.0f} s with sequences queued (engine.stall_timeout_s: " \
+            return f"no vector came back for {waited:.0f} s with {self._queued()} (engine.stall_timeout_s: " \
                    f"{self.stall_timeout_s:.0f})"
         return None
+
+    def _queued(self) -> str:
+        if self.queued is not None:
+            try:
+                return self.queued()
+            except RuntimeError:  # the queue changed while it was read: the engine is not stalled after all
+                pass
+        return "sequences queued"
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
