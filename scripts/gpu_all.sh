@@ -13,14 +13,15 @@
 #   5. end      scripts/gpu_end.sh: how runs of one and six engines end
 #   6. build    scripts/gpu_build.sh qwen3-0.6b 512 1: a build with and without the GC switch
 # and, named in STEPS only, imports: gpu_build.sh's timings of vLLM's import alone (REPEAT 0);
-# async: vLLM's async scheduling (off for pooling models by default) off (run) and on (run-b; ASYNC_ORDER=ABBA
-#   adds run-b2, run-a2), each run's vectors compared with the first's (COMPARE=1): one Qwen3 engine @ 512
-#   on 40,000 rows of mixed lengths (docstrings joined to 600 characters; batchembed's steps hold whole
-#   rows, chunked prefill off); async-minilm: the same for the real MiniLM @ 256 (its fidelity check on,
-#   and `verify --sample 256` of each run's output against sentence-transformers); async-chunked: the
-#   Qwen3 job, then async with vLLM's chunked prefill on (run-c, one engine, no restart: vLLM 0.24 has
-#   known races where a row is split across steps, and without async it stalled)
-# qwen-async: step 2's job, then the same with async scheduling on, its vectors compared with the first's
+# async: vLLM's async scheduling, batchembed's default for decoders on a GPU (run), and off (run-b;
+#   ASYNC_ORDER=ABBA adds run-b2, run-a2), each run's vectors compared with the first's (COMPARE=1): one
+#   Qwen3 engine @ 512 on 40,000 rows of mixed lengths (docstrings joined to 600 characters; batchembed's
+#   steps hold whole rows, chunked prefill off); async-minilm: the real MiniLM @ 256 as encoders run by
+#   default (off, vLLM's choice) and on (its fidelity check on, and `verify --sample 256` of each run's
+#   output against sentence-transformers); async-chunked: the Qwen3 job, then with vLLM's chunked prefill
+#   on (run-c, one engine, no restart: vLLM 0.24 has known races where a row is split across steps, and
+#   without async it stalled)
+# qwen-async: step 2's job, then the same with async scheduling off, its vectors compared with the first's
 # STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
 # on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
 # About 18 minutes on an H200 (mixed adds ~1.5), longer than one device call (10 minutes): start it in a session of
@@ -51,17 +52,17 @@ for name in ${STEPS:-startup qwen mixed bge end build}; do
     imports) step imports bash scripts/gpu_build.sh "$OUT/imports" qwen3-0.6b 512 0 ;;
     build) step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1 ;;
     async)
-      step async-qwen env AB_SET=engine.vllm_args.async_scheduling=true AB_ORDER=${ASYNC_ORDER:-AB} COMPARE=1 \
+      step async-qwen env AB_SET=engine.vllm_args.async_scheduling=false AB_ORDER=${ASYNC_ORDER:-AB} COMPARE=1 \
         bash scripts/gpu_tuned.sh "$OUT/async-qwen" qwen3-0.6b 512 600 40000 1 2000 ;;
     async-minilm)
       step async-minilm env AB_SET=engine.vllm_args.async_scheduling=true AB_ORDER=${ASYNC_ORDER:-AB} COMPARE=1 \
         VERIFY_SAMPLE=256 bash scripts/gpu_tuned.sh "$OUT/async-minilm" minilm 256 1000 40000 1 2000 ;;
     async-chunked)
       step async-chunked env COMPARE=1 \
-        VARIANTS="run-c -- --set engine.vllm_args.async_scheduling=true --set engine.vllm_args.enable_chunked_prefill=true --set engine.max_restarts=0" \
+        VARIANTS="run-c -- --set engine.vllm_args.enable_chunked_prefill=true --set engine.max_restarts=0" \
         bash scripts/gpu_tuned.sh "$OUT/async-chunked" qwen3-0.6b 512 600 40000 1 2000 ;;
     qwen-async)
-      step qwen-async env AB_SET=engine.vllm_args.async_scheduling=true COMPARE=1 \
+      step qwen-async env AB_SET=engine.vllm_args.async_scheduling=false COMPARE=1 \
         bash scripts/gpu_tuned.sh "$OUT/qwen-async" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
     *) echo "unknown step: $name" >> "$OUT/progress.txt" ;;
   esac
