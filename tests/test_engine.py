@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -52,10 +53,14 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info, capl
         assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "8"  # read by the worker, in this process
         v = eng.embed([[101, 7592, 2088, 102]])
         assert v.shape == (1, eng.dimension)
-        # a second engine beside it gets processes of its own (vLLM's state is per process)
+        # a second engine beside it gets processes of its own (vLLM's state is per process), set up as
+        # any such engine is, though vLLM froze its environment variables as the first one started:
+        # as many processes as the session's, and its sockets in its scratch folder, none in the temp folder
+        temp = set(os.listdir(tempfile.gettempdir()))
         other = Engine(model_info, "float32", model_info.max_length, EngineSpec())
         try:
-            assert not other.in_process
+            assert not other.in_process and len(other.processes) == len(engine.processes)
+            assert set(os.listdir(tempfile.gettempdir())) - temp == {os.path.basename(other._ipc_dir)}
             np.testing.assert_allclose(other.embed([[101, 7592, 2088, 102]]), v, atol=1e-5)
         finally:
             # as a process that ends after its run leaves it: its processes are gone when leave() returns

@@ -390,6 +390,15 @@ def _dist_store_file(before: str | None, in_process: bool) -> str | None:
     return os.path.join(tempfile.gettempdir(), ident)
 
 
+def _vllm_reads_its_environment_afresh() -> None:
+    """vLLM caches its environment variables once an engine core has started in this process: an
+    engine built after one that ran here would take that one's values, its socket folder among them
+    (its front end's two sockets were left in the temp folder, outside its own scratch folder)."""
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+
+
 def _ipc_folder() -> str | None:
     """A scratch folder for vLLM's sockets, or None (vLLM's own place, the temp folder) where its
     paths, a uuid4 inside it, would not fit a socket's path."""
@@ -606,6 +615,7 @@ class Engine:
             # the run and then them (interrupts.py). Started under procguard's setting, they block
             # both signals, and die with this process when the main thread starts them. `env` is
             # read by them as they start, in LLM().
+            _vllm_reads_its_environment_afresh()
             with procguard.starting(env):
                 self.llm = LLM(**args)
             self.processes = _engine_processes(before)
