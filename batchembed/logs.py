@@ -72,8 +72,10 @@ def exit_now(code: int) -> NoReturn:
     """End this process at once with `code`, once the logs and standard streams are flushed, without
     the interpreter's teardown: vLLM's engines leave C++ threads that can abort it ("terminate
     called without an active exception"), which would turn a finished run into a failed one.
-    Multiprocessing's resource tracker, if this process started one, is ended first."""
+    Multiprocessing's resource tracker, if this process started one, is ended first, and its
+    temp folder removed."""
     _stop_resource_tracker()
+    _remove_multiprocessing_temp_dir()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -98,3 +100,15 @@ def _stop_resource_tracker() -> None:
         lock.release()
     with contextlib.suppress(Exception):  # e.g. ChildProcessError: inherited, not this process's child
         tracker._stop()  # noqa: SLF001 - closes its pipe and waits for it to end
+
+
+def _remove_multiprocessing_temp_dir() -> None:
+    """Remove the folder multiprocessing made in the temp folder for this process (pymp-*: the
+    forkserver's socket), which its exit handler would have, had the process not ended at once:
+    one more left in /tmp by every run with engine processes."""
+    import multiprocessing
+    import shutil
+
+    tempdir = multiprocessing.current_process()._config.get("tempdir")  # noqa: SLF001 - where the stdlib keeps it
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)

@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import yaml
 from helpers import job_dict, read_output, write_parquet
@@ -11,6 +13,12 @@ from helpers import job_dict, read_output, write_parquet
 from batchembed.embed.engine import cpu_dtype, cpu_flags
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+
+
+def left_in(temp: str) -> list[str]:
+    """What a run left in its temp folder, torch's compile cache (torchinductor_USER, made as vLLM
+    is imported, and kept for the next run by design) aside."""
+    return [name for name in os.listdir(temp) if not name.startswith("torchinductor_")]
 
 
 def test_run_exits_0_with_summary_and_json(tmp_path):
@@ -89,14 +97,22 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     engine = {"data_parallel": 2, "sort_window_rows": 10}
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine=engine,
                                            embedding={"dimensions": [384, 64]})))
-    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}  # empty, as on a fresh machine
-        proc = subprocess.Popen([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out,
-                                stderr=err, env=env, start_new_session=True)
-        rc = proc.wait(timeout=400)
-    assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
-    # the engine processes and their forkserver end with the run (the forkserver ended 2 s after it)
-    assert group_alive(proc.pid) == [], "a process of the run outlived it"
+    temp = tempfile.mkdtemp(prefix="be-")  # the run's temp folder, short enough for vLLM's socket paths
+    try:
+        with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+            env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),  # empty, as on a fresh machine
+                                "TMPDIR": temp}
+            proc = subprocess.Popen([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out,
+                                    stderr=err, env=env, start_new_session=True)
+            rc = proc.wait(timeout=400)
+        assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
+        # the engine processes and their forkserver end with the run (the forkserver ended 2 s after it)
+        assert group_alive(proc.pid) == [], "a process of the run outlived it"
+        # and leave nothing in the temp folder: not multiprocessing's pymp-* folder (the forkserver's
+        # socket), which the run's quick exit used to skip, nor vLLM's sockets or store files
+        assert left_in(temp) == []
+    finally:
+        shutil.rmtree(temp)
     summary = json.loads((tmp_path / "stdout").read_text())  # the summary alone, engine processes' vLLM too
     assert summary["engines"] == 2 and summary["tasks_run"] == 4
     lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]
@@ -158,8 +174,14 @@ def test_a_run_that_ends_before_its_engines_leaves_no_forkserver_behind(tmp_path
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "missing" / "*.parquet", tmp_path / "out",
                                            engine={"data_parallel": 2})))
-    proc = subprocess.Popen([BIN, "run", str(job), "--no-progress"], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "run.log", "w"), start_new_session=True)
-    assert proc.wait(timeout=120) == 2
-    assert "no Parquet files" in (tmp_path / "run.log").read_text()
-    assert group_alive(proc.pid) == [], "a process of the run outlived it"
+    temp = tempfile.mkdtemp(prefix="be-")
+    try:
+        proc = subprocess.Popen([BIN, "run", str(job), "--no-progress"], stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "run.log", "w"), env=os.environ | {"TMPDIR": temp},
+                                start_new_session=True)
+        assert proc.wait(timeout=120) == 2
+        assert "no Parquet files" in (tmp_path / "run.log").read_text()
+        assert group_alive(proc.pid) == [], "a process of the run outlived it"
+        assert left_in(temp) == []  # nothing left in its temp folder either
+    finally:
+        shutil.rmtree(temp)
