@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -46,6 +45,7 @@ def weed_binary() -> str:
 class SeaweedS3:
     def __init__(self, data_dir: Path, bucket: str = "corpus"):
         self.data_dir, self.bucket = Path(data_dir), bucket
+        self.tmp_dir = self.data_dir.parent / "tmp"
         self.s3_port, self.master, self.volume, self.filer, self.admin, self.webdav = _pick_ports(6)
         self.endpoint = f"http://127.0.0.1:{self.s3_port}"
         self.proc: subprocess.Popen | None = None
@@ -58,8 +58,12 @@ class SeaweedS3:
                f"-filer.port={self.filer}", f"-admin.port={self.admin}", f"-webdav.port={self.webdav}",
                f"-bucket={self.bucket}"]
         self.log = open(self.data_dir.parent / f"weed-{self.s3_port}.log", "ab")
+        # its temp folder beside its data: weed writes its logs (weed.INFO, ...), a folder for each
+        # volume's scratch and its S3 socket there, which in the shared one outlived every test session
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+                                     env={**os.environ, **self.env, "TMPDIR": str(self.tmp_dir)},
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -96,8 +100,13 @@ class SeaweedS3:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
-        # the S3 gateway's local socket, which it leaves in the temp folder (Go's, as Python's)
-        Path(tempfile.gettempdir(), f"seaweedfs-s3-{self.s3_port}.sock").unlink(missing_ok=True)
+        # the local sockets it leaves behind, in /tmp whatever TMPDIR says: seaweedfs-s3-PORT.sock,
+        # seaweedfs-s3-grpc-PORT.sock, seaweedfs-admin-grpc-PORT.sock (a gRPC port is its port + 10000)
+        ours = {str(p + grpc) for p in (self.s3_port, self.master, self.volume, self.filer, self.admin, self.webdav)
+                for grpc in (0, 10000)}
+        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+            if sock.stem.rsplit("-", 1)[-1] in ours:
+                sock.unlink(missing_ok=True)
 
     def restart(self, down_for: float = 0.0) -> None:
         self.stop()
