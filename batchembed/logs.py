@@ -105,10 +105,13 @@ def _stop_resource_tracker() -> None:
 def _remove_multiprocessing_temp_dir() -> None:
     """Remove the folder multiprocessing made in the temp folder for this process (pymp-*: the
     forkserver's socket), which its exit handler would have, had the process not ended at once:
-    one more left in /tmp by every run with engine processes."""
+    one more left in /tmp by every run with engine processes. Only in the process that made it: a
+    process multiprocessing started has its parent's (in the config it inherits), still in use there."""
     import multiprocessing
     import shutil
 
+    if multiprocessing.parent_process() is not None:
+        return
     tempdir = multiprocessing.current_process()._config.get("tempdir")  # noqa: SLF001 - where the stdlib keeps it
     if tempdir:
         shutil.rmtree(tempdir, ignore_errors=True)

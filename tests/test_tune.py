@@ -4,6 +4,8 @@ into a copy of the job (the real engine, on this machine's CPU)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 
 import yaml
 from click.testing import CliRunner
@@ -34,6 +36,10 @@ def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp
     assert tuned.output.rows_per_part == (25 if tuned.engine.data_parallel == 2 else 1_000_000)
     assert (tmp_path / "job.yaml").read_text() == before  # the job file is never changed
     assert not (tmp_path / "out").exists()  # the trials wrote elsewhere
+    # the two-engine trial's processes, as they ended, left this process's multiprocessing folder
+    # (the forkserver's socket, inherited in their config) in place for the next trial or run
+    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    assert tempdir and os.path.isdir(tempdir)
 
 
 def test_best_is_the_fastest_running_and_of_ties_within_1_percent_the_fewest_engines():
