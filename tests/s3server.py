@@ -58,8 +58,8 @@ class SeaweedS3:
                f"-filer.port={self.filer}", f"-admin.port={self.admin}", f"-webdav.port={self.webdav}",
                f"-bucket={self.bucket}"]
         self.log = open(self.data_dir.parent / f"weed-{self.s3_port}.log", "ab")
-        # its temp folder beside its data: weed writes its logs (weed.INFO, ...), a folder for each
-        # volume's scratch and its S3 socket there, which in the shared one outlived every test session
+        # its temp folder beside its data: weed writes its logs (weed.INFO, ...) and a scratch folder of
+        # volume files there, which in the shared one outlived every test session
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **self.env, "TMPDIR": str(self.tmp_dir)},
