@@ -7,12 +7,21 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import yaml
 from helpers import job_dict, read_output, write_parquet
 
 from batchembed.embed.engine import cpu_dtype, cpu_flags
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+
+
+@pytest.fixture
+def run_temp():
+    """A temp folder (TMPDIR) for the run under test, short enough for vLLM's socket paths; removed after."""
+    temp = tempfile.mkdtemp(prefix="be-")
+    yield temp
+    shutil.rmtree(temp)
 
 
 def left_in(temp: str) -> list[str]:
@@ -82,7 +91,7 @@ def test_version_and_help():
     assert r.returncode == 0 and "batchembed run jobs/quickstart.yaml" in r.stdout
 
 
-def test_two_engine_processes_give_the_same_output(tmp_path):
+def test_two_engine_processes_give_the_same_output(tmp_path, run_temp):
     """engine.data_parallel=2 on CPU: two engine processes started together, one core each, one
     task queue; with --log-json their lines are JSON too, tagged with the engine."""
     import numpy as np
@@ -97,22 +106,18 @@ def test_two_engine_processes_give_the_same_output(tmp_path):
     engine = {"data_parallel": 2, "sort_window_rows": 10}
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in", tmp_path / "out", engine=engine,
                                            embedding={"dimensions": [384, 64]})))
-    temp = tempfile.mkdtemp(prefix="be-")  # the run's temp folder, short enough for vLLM's socket paths
-    try:
-        with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-            env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),  # empty, as on a fresh machine
-                                "TMPDIR": temp}
-            proc = subprocess.Popen([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out,
-                                    stderr=err, env=env, start_new_session=True)
-            rc = proc.wait(timeout=400)
-        assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
-        # the engine processes and their forkserver end with the run (the forkserver ended 2 s after it)
-        assert group_alive(proc.pid) == [], "a process of the run outlived it"
-        # and leave nothing in the temp folder: not multiprocessing's pymp-* folder (the forkserver's
-        # socket), which the run's quick exit used to skip, nor vLLM's sockets or store files
-        assert left_in(temp) == []
-    finally:
-        shutil.rmtree(temp)
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        env = os.environ | {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),  # empty, as on a fresh machine
+                            "TMPDIR": run_temp}
+        proc = subprocess.Popen([BIN, "--log-json", "--log-level", "debug", "run", str(job)], stdout=out,
+                                stderr=err, env=env, start_new_session=True)
+        rc = proc.wait(timeout=400)
+    assert rc == 0, (tmp_path / "stderr").read_text()[-3000:]
+    # the engine processes and their forkserver end with the run (the forkserver ended 2 s after it)
+    assert group_alive(proc.pid) == [], "a process of the run outlived it"
+    # and leave nothing in the temp folder: not multiprocessing's pymp-* folder (the forkserver's
+    # socket), which the run's quick exit used to skip, nor vLLM's sockets or store files
+    assert left_in(run_temp) == []
     summary = json.loads((tmp_path / "stdout").read_text())  # the summary alone, engine processes' vLLM too
     assert summary["engines"] == 2 and summary["tasks_run"] == 4
     lines = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines() if line.startswith("{")]
@@ -166,7 +171,7 @@ def test_other_libraries_log_at_warning_unless_debug_is_asked_for():
         setup_logging("WARNING")
 
 
-def test_a_run_that_ends_before_its_engines_leaves_no_forkserver_behind(tmp_path):
+def test_a_run_that_ends_before_its_engines_leaves_no_forkserver_behind(tmp_path, run_temp):
     """engine.data_parallel starts the forkserver (vLLM's import for the engine processes) before
     the job is planned; a job refused while planning must not leave it importing after the exit."""
     from helpers import group_alive
@@ -174,14 +179,10 @@ def test_a_run_that_ends_before_its_engines_leaves_no_forkserver_behind(tmp_path
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "missing" / "*.parquet", tmp_path / "out",
                                            engine={"data_parallel": 2})))
-    temp = tempfile.mkdtemp(prefix="be-")
-    try:
-        proc = subprocess.Popen([BIN, "run", str(job), "--no-progress"], stdout=subprocess.DEVNULL,
-                                stderr=open(tmp_path / "run.log", "w"), env=os.environ | {"TMPDIR": temp},
-                                start_new_session=True)
-        assert proc.wait(timeout=120) == 2
-        assert "no Parquet files" in (tmp_path / "run.log").read_text()
-        assert group_alive(proc.pid) == [], "a process of the run outlived it"
-        assert left_in(temp) == []  # nothing left in its temp folder either
-    finally:
-        shutil.rmtree(temp)
+    proc = subprocess.Popen([BIN, "run", str(job), "--no-progress"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "run.log", "w"), env=os.environ | {"TMPDIR": run_temp},
+                            start_new_session=True)
+    assert proc.wait(timeout=120) == 2
+    assert "no Parquet files" in (tmp_path / "run.log").read_text()
+    assert group_alive(proc.pid) == [], "a process of the run outlived it"
+    assert left_in(run_temp) == []  # nothing left in its temp folder either
