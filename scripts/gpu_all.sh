@@ -22,6 +22,8 @@
 #   on (run-c, one engine, no restart: vLLM 0.24 has known races where a row is split across steps, and
 #   without async it stalled)
 # qwen-async: step 2's job, then the same with async scheduling off, its vectors compared with the first's
+# bge-async: step 4 (as the tool chooses it: async off for encoders), then the same job with async on
+#   (run-b), its 2 M vectors compared with the first run's
 # STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
 # on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
 # About 18 minutes on an H200 (mixed adds ~1.5), longer than one device call (10 minutes): start it in a session of
@@ -61,6 +63,9 @@ for name in ${STEPS:-startup qwen mixed bge end build}; do
       step async-chunked env COMPARE=1 \
         VARIANTS="run-c -- --set engine.vllm_args.enable_chunked_prefill=true --set engine.max_restarts=0" \
         bash scripts/gpu_tuned.sh "$OUT/async-chunked" qwen3-0.6b 512 600 40000 1 2000 ;;
+    bge-async)
+      step bge-async env AB_SET=engine.vllm_args.async_scheduling=true COMPARE=1 \
+        bash scripts/gpu_tuned.sh "$OUT/bge-async" bge-base 80 500 2000000 6,8 200000 ;;
     qwen-async)
       step qwen-async env AB_SET=engine.vllm_args.async_scheduling=false COMPARE=1 \
         bash scripts/gpu_tuned.sh "$OUT/qwen-async" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
