@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -58,3 +60,11 @@ def s3_env(s3, monkeypatch):
     for k, v in s3.env.items():
         monkeypatch.setenv(k, v)
     return s3
+
+
+@pytest.fixture
+def run_temp():
+    """A temp folder (TMPDIR) for the run under test, short enough for vLLM's and Ray's socket paths; removed after."""
+    temp = tempfile.mkdtemp(prefix="be-")
+    yield temp
+    shutil.rmtree(temp)

@@ -2,26 +2,15 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
-import pytest
 import yaml
 from helpers import job_dict, read_output, write_parquet
 
 from batchembed.embed.engine import cpu_dtype, cpu_flags
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
-
-
-@pytest.fixture
-def run_temp():
-    """A temp folder (TMPDIR) for the run under test, short enough for vLLM's socket paths; removed after."""
-    temp = tempfile.mkdtemp(prefix="be-")
-    yield temp
-    shutil.rmtree(temp)
 
 
 def left_in(temp: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -260,10 +261,12 @@ def test_shards_union_equals_one_unsharded_run(tmp_path, engine):
         run_job(sharded[0], engine=engine, overwrite=True, show_progress=False)
 
 
-def test_ray_executor_on_a_local_ray(tmp_path, st_model, caplog):
+def test_ray_executor_on_a_local_ray(tmp_path, st_model, caplog, run_temp, monkeypatch):
     """executor: ray, one engine actor on a local Ray instance: same rows, same vectors, same commits;
     the actor keeps one pipeline, so a text of the first part is not embedded again in the second,
-    and it reports its engine's throughput like the other executors."""
+    and it reports its engine's throughput like the other executors. Ray keeps its session's logs
+    and sockets in RAY_TMPDIR/ray (by design, for a user's Ray): here a folder the test removes."""
+    monkeypatch.setenv("RAY_TMPDIR", run_temp)
     texts = [f"ray row {i} " + "actors embed parts " * (i % 5 + 1) for i in range(40)]
     texts[25] = texts[3]  # the second part repeats a text of the first
     for k in range(2):
@@ -285,6 +288,7 @@ def test_ray_executor_on_a_local_ray(tmp_path, st_model, caplog):
     assert float((vectors(out, "embedding") * ref).sum(axis=1).min()) > 0.9999
     assert (tmp_path / "out" / "_SUCCESS").exists()
     assert run_job(spec, show_progress=False).tasks_run == 0  # resume works the same
+    assert os.listdir(os.path.join(run_temp, "ray"))  # Ray's session went there, not to /tmp/ray
 
 
 def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
