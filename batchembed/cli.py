@@ -395,7 +395,7 @@ def _start_with_tcmalloc() -> None:
     Nothing happens where TCMalloc is missing, or another allocator is already preloaded."""
     if os.environ.get(_REEXEC_ENV) or not {"run", "tune"} & set(sys.argv[1:]) or os.path.exists("/dev/nvidiactl"):
         return
-    from .embed.engine import ALLOCATORS, tcmalloc_path
+    from .embed.host import ALLOCATORS, tcmalloc_path
 
     preload = os.environ.get("LD_PRELOAD", "")
     lib = None if any(a in preload for a in ALLOCATORS) else tcmalloc_path()

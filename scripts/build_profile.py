@@ -53,7 +53,8 @@ def main() -> None:
     prof = cProfile.Profile() if a.profile else None
     if prof:
         prof.enable()
-    from batchembed.embed.engine import UNUSED_BY_ENGINES, Engine, imports_frozen, unused_packages_hidden
+    from batchembed.embed.engine import Engine
+    from batchembed.embed.vllm_import import UNUSED_BY_ENGINES, imports_frozen, unused_packages_hidden
 
     t0 = time.perf_counter()
     # as the forkserver imports it (BATCHEMBED_GC_FREEZE=0, BATCHEMBED_LEAN_IMPORT=0: as Python does)

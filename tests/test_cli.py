@@ -8,7 +8,7 @@ import sys
 import yaml
 from helpers import job_dict, read_output, write_parquet
 
-from batchembed.embed.engine import cpu_dtype, cpu_flags
+from batchembed.embed.host import cpu_dtype, cpu_flags
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 

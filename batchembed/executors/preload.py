@@ -14,7 +14,7 @@ import time
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-from ..embed.engine import imports_frozen, inspect_here, unused_packages_hidden  # noqa: E402
+from ..embed.vllm_import import imports_frozen, inspect_here, unused_packages_hidden  # noqa: E402
 from .base import ARCHITECTURES_ENV  # noqa: E402
 
 # the heap of these imports, frozen before the engine processes are forked from it: their builds'

