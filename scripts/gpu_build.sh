@@ -38,7 +38,7 @@ for i in 1 2; do
   for e in "BATCHEMBED_GC_FREEZE=1 BATCHEMBED_LEAN_IMPORT=1" "BATCHEMBED_GC_FREEZE=1 BATCHEMBED_LEAN_IMPORT=0" \
            "BATCHEMBED_GC_FREEZE=0 BATCHEMBED_LEAN_IMPORT=0"; do
     env $e python3 -c "import gc, sys, time
-from batchembed.embed.engine import imports_frozen, unused_packages_hidden
+from batchembed.embed.vllm_import import imports_frozen, unused_packages_hidden
 t = time.perf_counter()
 with imports_frozen(), unused_packages_hidden():
     from vllm import LLM
