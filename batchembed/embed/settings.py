@@ -16,6 +16,8 @@ _CPU_MEMORY_SHARE = 0.1
 
 
 def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
+    """(tokens, rows) at most in one engine step: the job's engine.token_budget and
+    engine.max_batch_rows, or these defaults; never fewer tokens than one row of max_length."""
     # CPU: vLLM's own offline default, the fastest or level on every CPU measured (notes/performance.md).
     # GPU: small encoder steps are bound by per-step overhead, not FLOPs, so steps are larger.
     budget = spec.token_budget or (4096 if on_cpu else 65536)
