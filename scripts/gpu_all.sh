@@ -26,7 +26,7 @@
 #   (run-b), its 2 M vectors compared with the first run's
 # STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
 # on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
-# BGE_TUNE="8 100000" does the same for the bge steps.
+# BGE_TUNE="8 100000" does the same for the bge steps, and BGE_ROWS=1000000 sets their corpus.
 # About 18 minutes on an H200 (mixed adds ~1.5), longer than one device call (10 minutes): start it in a session of
 # its own and wait for OUT_DIR/DONE over several calls, e.g.
 #   setsid bash scripts/gpu_all.sh ~/all > ~/all.log 2>&1 < /dev/null &
@@ -50,7 +50,7 @@ for name in ${STEPS:-startup qwen mixed bge end build}; do
     startup) step startup env QWEN=0 bash scripts/gpu_startup.sh "$OUT/startup" ;;
     qwen) step qwen bash scripts/gpu_tuned.sh "$OUT/qwen" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
     mixed) step mixed bash scripts/gpu_tuned.sh "$OUT/mixed" qwen3-0.6b 512 600 40000 1 2000 ;;
-    bge) step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 2000000 ${BGE_TUNE:-6,8 200000} ;;
+    bge) step bge bash scripts/gpu_tuned.sh "$OUT/bge" bge-base 80 500 ${BGE_ROWS:-2000000} ${BGE_TUNE:-6,8 200000} ;;
     end) step end bash scripts/gpu_end.sh "$OUT/end" ;;
     imports) step imports bash scripts/gpu_build.sh "$OUT/imports" qwen3-0.6b 512 0 ;;
     build) step build bash scripts/gpu_build.sh "$OUT/build" qwen3-0.6b 512 1 ;;
@@ -66,7 +66,7 @@ for name in ${STEPS:-startup qwen mixed bge end build}; do
         bash scripts/gpu_tuned.sh "$OUT/async-chunked" qwen3-0.6b 512 600 40000 1 2000 ;;
     bge-async)
       step bge-async env AB_SET=engine.vllm_args.async_scheduling=true COMPARE=1 \
-        bash scripts/gpu_tuned.sh "$OUT/bge-async" bge-base 80 500 2000000 ${BGE_TUNE:-6,8 200000} ;;
+        bash scripts/gpu_tuned.sh "$OUT/bge-async" bge-base 80 500 ${BGE_ROWS:-2000000} ${BGE_TUNE:-6,8 200000} ;;
     qwen-async)
       step qwen-async env AB_SET=engine.vllm_args.async_scheduling=false COMPARE=1 \
         bash scripts/gpu_tuned.sh "$OUT/qwen-async" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
