@@ -78,6 +78,12 @@ def start_run(tmp_path: Path, job: dict, stdout=subprocess.DEVNULL, env: dict | 
     return proc
 
 
+def left_in(temp: str | Path) -> list[str]:
+    """What a run left in its temp folder, torch's compile cache (torchinductor_USER, made as vLLM
+    is imported, and kept for the next run by design) aside."""
+    return [name for name in os.listdir(temp) if not name.startswith("torchinductor_")]
+
+
 def group_alive(pgid: int) -> list[str]:
     """Processes of a process group that are not zombies."""
     out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True).stdout.split()

@@ -6,17 +6,11 @@ import subprocess
 import sys
 
 import yaml
-from helpers import job_dict, read_output, write_parquet
+from helpers import job_dict, left_in, read_output, write_parquet
 
 from batchembed.embed.host import cpu_dtype, cpu_flags
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
-
-
-def left_in(temp: str) -> list[str]:
-    """What a run left in its temp folder, torch's compile cache (torchinductor_USER, made as vLLM
-    is imported, and kept for the next run by design) aside."""
-    return [name for name in os.listdir(temp) if not name.startswith("torchinductor_")]
 
 
 def test_run_exits_0_with_summary_and_json(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import BIN, group_alive, job_dict, start_run, tiny_decoder, write_parquet
+from helpers import BIN, group_alive, job_dict, left_in, start_run, tiny_decoder, write_parquet
 
 from batchembed.embed.watchdog import child_pids, descendant_pids
 
@@ -283,7 +283,7 @@ def test_what_a_run_killed_outright_leaves_in_the_temp_folder_a_later_run_remove
     proc = start_run(tmp_path, job, env={**os.environ, "TMPDIR": str(tmp)})
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    left = {p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")}
+    left = set(left_in(tmp))
     stores = [n for n in left if n.startswith("vllm_dist_")]
     claims = [n for n in left if n.startswith(f"batchembed-{proc.pid}-") and n.endswith(".claim")]
     assert len(stores) == 1 and len(claims) == 1, left
@@ -294,7 +294,7 @@ def test_what_a_run_killed_outright_leaves_in_the_temp_folder_a_later_run_remove
         os.utime(tmp / name, (old, old))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     assert scratch.sweep() == len(left) - 1  # the store file goes with its claim
-    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
+    assert left_in(tmp) == []
 
 
 def test_engine_processes_do_not_outlive_a_data_parallel_run_killed_outright(tmp_path):
