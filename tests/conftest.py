@@ -62,9 +62,34 @@ def s3_env(s3, monkeypatch):
     return s3
 
 
+# the machine's temp folder, before the session's own (below) takes TMPDIR's place
+MACHINE_TEMP = tempfile.gettempdir()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_temp(tmp_path_factory):
+    """The test session's temp folder (TMPDIR for it and every process it starts), removed at its end.
+    The runs that tests kill outright leave their scratch as a killed nightly run would, for a later
+    run's sweep an hour on; a test session's end is that later run. pytest's own folders (tmp_path)
+    stay where pytest keeps them, for a failure to be read."""
+    tmp_path_factory.getbasetemp()  # settled before TMPDIR moves
+    temp = tempfile.mkdtemp(prefix="be-", dir=MACHINE_TEMP)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = temp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR afresh
+    yield temp
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 @pytest.fixture
 def run_temp():
-    """A temp folder (TMPDIR) for the run under test, short enough for vLLM's and Ray's socket paths; removed after."""
-    temp = tempfile.mkdtemp(prefix="be-")
+    """A temp folder (TMPDIR) for the run under test, short enough for vLLM's and Ray's socket paths
+    (so in the machine's temp folder, not the session's); removed after."""
+    temp = tempfile.mkdtemp(prefix="be-", dir=MACHINE_TEMP)
     yield temp
     shutil.rmtree(temp)
