@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from multiprocessing.util import Finalize
 
 import pytest
 
@@ -68,7 +69,7 @@ MACHINE_TEMP = tempfile.gettempdir()
 
 @pytest.fixture(scope="session", autouse=True)
 def session_temp(tmp_path_factory):
-    """The test session's temp folder (TMPDIR for it and every process it starts), removed at its end.
+    """The test session's temp folder (TMPDIR for it and every process it starts), removed at its exit.
     The runs that tests kill outright leave their scratch as a killed nightly run would, for a later
     run's sweep an hour on; a test session's end is that later run. pytest's own folders (tmp_path)
     stay where pytest keeps them, for a failure to be read."""
@@ -83,7 +84,10 @@ def session_temp(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = before
     tempfile.tempdir = None
-    shutil.rmtree(temp, ignore_errors=True)
+    # removed at this process's exit, after what multiprocessing keeps there: its own temp folder
+    # (pymp-*, the forkserver's socket of tune's in-process trials), which its exit finalizer
+    # removes at priority -100 and would find gone (a traceback after the session's summary)
+    Finalize(None, shutil.rmtree, args=(temp,), kwargs={"ignore_errors": True}, exitpriority=-101)
 
 
 @pytest.fixture
