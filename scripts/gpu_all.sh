@@ -24,8 +24,10 @@
 # qwen-async: step 2's job, then the same with async scheduling off, its vectors compared with the first's
 # bge-async: step 4 (as the tool chooses it: async off for encoders), then the same job with async on
 #   (run-b), its 2 M vectors compared with the first run's
-# STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="2 4000" tunes the Qwen job
-# on fewer counts and rows (what `tune --engines 1,2` wrote on the H200: 2 engines).
+# fp8: the Qwen3 job (FP8_ROWS rows, default 40,000, one engine), then with vLLM's dynamic fp8 weights
+#   (run-b), its vectors compared with the first run's
+# STEPS="startup qwen" runs only those, in that order; QWEN_TUNE="1 4000" tunes the Qwen job
+# on fewer counts and rows (what `tune --engines 1,2` wrote on the H200 with async scheduling: 1 engine).
 # BGE_TUNE="8 100000" does the same for the bge steps, and BGE_ROWS=1000000 sets their corpus.
 # About 18 minutes on an H200 (mixed adds ~1.5), longer than one device call (10 minutes): start it in a session of
 # its own and wait for OUT_DIR/DONE over several calls, e.g.
@@ -67,6 +69,9 @@ for name in ${STEPS:-startup qwen mixed bge end build}; do
     bge-async)
       step bge-async env AB_SET=engine.vllm_args.async_scheduling=true COMPARE=1 \
         bash scripts/gpu_tuned.sh "$OUT/bge-async" bge-base 80 500 ${BGE_ROWS:-2000000} ${BGE_TUNE:-6,8 200000} ;;
+    fp8)
+      step fp8 env AB_SET=engine.vllm_args.quantization=fp8 COMPARE=1 \
+        bash scripts/gpu_tuned.sh "$OUT/fp8" qwen3-0.6b 512 3000 ${FP8_ROWS:-40000} 1 2000 ;;
     qwen-async)
       step qwen-async env AB_SET=engine.vllm_args.async_scheduling=false COMPARE=1 \
         bash scripts/gpu_tuned.sh "$OUT/qwen-async" qwen3-0.6b 512 3000 200000 ${QWEN_TUNE:-1,2 20000} ;;
