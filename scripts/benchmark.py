@@ -19,10 +19,9 @@ import argparse
 import json
 import os
 import platform
-import re
 import resource
+import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -187,17 +186,20 @@ def run_variant(name: str, args) -> dict:
     """Each variant in a fresh process, so start-up and memory are its own."""
     t = time.perf_counter()
     started = time.time()
-    temp_before = set(os.listdir(tempfile.gettempdir()))
+    # vLLM's sockets (VLLM_RPC_BASE_PATH, the temp folder unless set) in a folder removed after the
+    # variant, as batchembed's engines have theirs: a plain `LLM` whose exit aborts (variants a and b)
+    # leaves seven per run
+    sockets = tempfile.mkdtemp(prefix="bm-ipc-")
     out = args.workdir / f"{name}.json"
     with open(args.workdir / f"{name}.stderr", "w") as err:
         proc = subprocess.Popen([sys.executable, __file__, "--variant", name, *sys.argv[1:]], stdout=err, stderr=err,
-                                env={"VLLM_LOGGING_LEVEL": "ERROR", **os.environ})
+                                env={"VLLM_LOGGING_LEVEL": "ERROR", **os.environ, "VLLM_RPC_BASE_PATH": sockets})
         tree_peak = 0
         while proc.poll() is None:
             tree_peak = max(tree_peak, tree_rss_mb(proc.pid))
             time.sleep(0.2)
         rc = proc.returncode
-    remove_engine_sockets(temp_before)
+    shutil.rmtree(sockets, ignore_errors=True)
     if rc == -signal.SIGABRT and out.exists() and out.stat().st_mtime > started:
         # vLLM's threads sometimes abort the interpreter's teardown ("terminate called without an
         # active exception") after the figures were written; the figures stand.
@@ -208,22 +210,6 @@ def run_variant(name: str, args) -> dict:
     r["whole_s"] = time.perf_counter() - t
     r["tree_rss_mb"] = tree_peak
     return r
-
-
-UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def remove_engine_sockets(before: set[str]) -> None:
-    """vLLM's ZMQ sockets (named by a UUID, in the temp folder) that a plain `LLM` (variants a and
-    b) leaves when its exit aborts: seven per run. Only sockets that appeared during the variant."""
-    temp = tempfile.gettempdir()
-    for name in set(os.listdir(temp)) - before:
-        path = os.path.join(temp, name)
-        try:
-            if UUID.fullmatch(name) and stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def tree_rss_mb(pid: int) -> int:
