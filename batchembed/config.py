@@ -26,14 +26,17 @@ class _Strict(BaseModel):
 class InputSpec(_Strict):
     uri: str = Field(description="fsspec URL of a Parquet file, a directory or a glob")
     format: str = Field("parquet", description="the input format (inputs/__init__.py lists them)")
-    text_column: str = "text"
+    text_column: str = Field("text", description="the string column to embed; a null text keeps its row with a "
+                             "null vector")
     text_sql: str | None = Field(None, description="the text as a polars SQL expression over the input "
                                  "columns instead of text_column, e.g. title || '\\n\\n' || body")
     where: str | None = Field(None, description="a polars SQL condition: only rows where it is true are "
                               "embedded and written, e.g. lang = 'en' AND body IS NOT NULL")
-    id_column: str | None = None
-    carry_columns: list[str] = []
-    storage_options: dict[str, Any] = {}
+    id_column: str | None = Field(None, description="a column copied to the output unchanged, to join the vectors "
+                                  "back; reindexing matches rows by it")
+    carry_columns: list[str] = Field([], description="more input columns copied to the output unchanged")
+    storage_options: dict[str, Any] = Field({}, description="passed to fsspec for input.uri, e.g. "
+                                            "{endpoint_url: \"${S3_ENDPOINT}\"}; never written to the output")
 
     @field_validator("text_sql", "where")
     @classmethod
@@ -53,13 +56,16 @@ class InputSpec(_Strict):
 
 class ModelSpec(_Strict):
     name: str = Field(description="local dir | Hugging Face id in the local cache | package:<python package>")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the engine's compute precision; auto: vLLM's choice on a GPU, on a CPU the narrowest "
+        "float it computes natively (bfloat16 with avx512_bf16 or AMX, float16 with avx512_fp16, else float32)")
     max_length: int | None = Field(None, ge=2, description="tokens; default: the model's limit")
     prefix: str = Field("", description='put before every text, e.g. "passage: " (E5, BGE)')
     instruction: str = Field("", description="for instruction-tuned embedders, e.g. 'Given a web search "
                              "query, retrieve relevant passages'; goes before every text through "
                              "instruction_format")
-    instruction_format: str = "Instruct: {instruction}\nQuery: "
+    instruction_format: str = Field("Instruct: {instruction}\nQuery: ", description="how model.instruction is "
+                                    "put before every text (then model.prefix); must contain {instruction}")
     long_text: Literal["truncate", "chunk"] = Field(
         "truncate", description="a text longer than max_length: truncate it, or chunk it into windows of "
         "max_length tokens, embed each and pool them (token-weighted mean, renormalised) into one vector")
@@ -80,7 +86,9 @@ class ModelSpec(_Strict):
 
 
 class EmbeddingSpec(_Strict):
-    dimensions: list[int] | None = None
+    dimensions: list[int] | None = Field(None, description="Matryoshka dimensions: each vector is truncated to "
+                                         "each, then L2-renormalised; one column per dimension; default: the "
+                                         "model's dimension")
     output_dtype: Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"] = Field(
         "float32", description="int8 / uint8: 256 steps per dimension between the min and max of a "
         "calibration sample; binary / ubinary: one sign bit per dimension, 8 to a byte; both as "
@@ -127,7 +135,7 @@ class OutputSpec(_Strict):
     uri: str = Field(description="fsspec directory for the parts, _manifest.json and _SUCCESS")
     format: Literal["parquet", "lance"] = Field("parquet", description="parquet: one file per part; lance: "
                                                 "one Lance dataset (pip install 'batchembed[lance]')")
-    storage_options: dict[str, Any] = {}
+    storage_options: dict[str, Any] = Field({}, description="passed to fsspec (and to Lance) for output.uri")
     rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")
     compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = Field(
         "zstd", description="Parquet's; Lance chooses its own encodings")
@@ -158,7 +166,9 @@ class EngineSpec(_Strict):
                                     "memory, but an engine that hangs ends its process (exit 1; with "
                                     "data_parallel, that engine process is replaced) instead of being "
                                     "replaced in place. Default: true on CPU, false on GPU")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of the GPU's memory the "
+                                                 "engines may take; default 0.9, split between engines "
+                                                 "sharing a GPU")
     vllm_args: dict[str, Any] = Field({}, description="passed to vllm.LLM as keyword arguments")
     stall_timeout_s: float | None = Field(None, gt=0, description="an engine that gives back no vector for "
                                           "this long while work is queued is declared hung and replaced; "
@@ -186,22 +196,23 @@ class RaySpec(_Strict):
     address: str | None = Field(None, description="Ray cluster address, e.g. ray://head:10001 or auto; "
                                 "none starts a local Ray")
     engines: int = Field(1, ge=1, description="engine actors")
-    num_cpus_per_engine: float = Field(1, gt=0)
+    num_cpus_per_engine: float = Field(1, gt=0, description="CPUs Ray reserves for each engine actor")
     num_gpus_per_engine: float = Field(0, ge=0, description="1 for one GPU each; 0.25 packs four per GPU "
                                        "(then set engine.gpu_memory_utilization to about 0.2)")
 
 
 class JobSpec(_Strict):
-    name: str
-    input: InputSpec
-    model: ModelSpec
-    embedding: EmbeddingSpec = EmbeddingSpec()
-    output: OutputSpec
-    engine: EngineSpec = EngineSpec()
+    name: str = Field(description="the job's name, for logs and the manifest")
+    input: InputSpec = Field(description="the corpus to embed")
+    model: ModelSpec = Field(description="the embedding model and how texts are prepared for it")
+    embedding: EmbeddingSpec = Field(EmbeddingSpec(), description="what is written for each row")
+    output: OutputSpec = Field(description="where and how the vectors are written")
+    engine: EngineSpec = Field(EngineSpec(), description="vLLM's engine; the defaults suit CPU and GPU")
     on_error: Literal["fail", "skip"] = Field(
         "fail", description="skip: an unreadable input file is recorded and the rest still run (exit 1)")
-    retry: RetrySpec = RetrySpec()
-    incremental: IncrementalSpec | None = None
+    retry: RetrySpec = Field(RetrySpec(), description="storage errors: retried with exponential backoff")
+    incremental: IncrementalSpec | None = Field(None, description="reindexing: reuse an earlier output's "
+                                                "vectors for unchanged rows (or run --previous URI)")
     fidelity_check: Literal["auto", "off"] = Field(
         "auto", description="auto: when an engine starts, embed the first 16 rows with the engine and with "
         "sentence-transformers (when installed and the model is one) and refuse to run if they disagree")
@@ -209,8 +220,9 @@ class JobSpec(_Strict):
     max_failed_rows: float = Field(0, ge=0, description="rows the engine may fail (each alone: a null vector "
                                    "and a line in _errors/) before the run exits 1: a count, or a fraction "
                                    "of the rows below 1; either way every other row is written")
-    executor: Literal["local", "ray"] = "local"
-    ray: RaySpec = RaySpec()
+    executor: Literal["local", "ray"] = Field("local", description="local: this machine (engine.data_parallel "
+                                              "engine processes); ray: one Ray actor per engine, anywhere")
+    ray: RaySpec = Field(RaySpec(), description="executor: ray only")
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "
                               "writes the manifest")
 

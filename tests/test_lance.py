@@ -245,7 +245,7 @@ def test_lance_on_s3_killed_then_run_twice_at_once_gives_every_row_once_with_its
     assert any(i.name.startswith("embedding_ivf_pq") for i in ds.describe_indices())
     q = table.column("embedding")[123].values.to_numpy()
     # "document 1022 lorem ..." and "document 1023 lorem ..." are near twins: IVF_PQ's codes alone
-    # ranked 1022 first once in CI; re-ranked on the exact vectors (as the README advises), the
+    # ranked 1022 first once in CI; re-ranked on the exact vectors (as docs/lance.md advises), the
     # row itself comes first
     hit = ds.to_table(nearest={"column": "embedding", "q": q, "k": 3, "nprobes": 4, "refine_factor": 10},
                       columns=["id"])
@@ -255,15 +255,15 @@ def test_lance_on_s3_killed_then_run_twice_at_once_gives_every_row_once_with_its
     assert problems == []
 
 
-def test_the_readme_searches_a_lance_output_with_lance_and_lancedb(tmp_path, fake):
-    from test_reading import readme_example
+def test_the_docs_searches_a_lance_output_with_lance_and_lancedb(tmp_path, fake):
+    from test_reading import docs_example
 
     _corpus(tmp_path, files=1, rows=300)
     run_job(_job(tmp_path, "emb.lance", output={"index": {"type": "ivf_hnsw_sq"}}), engine=fake, show_progress=False)
     out = tmp_path / "emb.lance"
     query = lance.dataset(str(out)).to_table(filter="id = 7")["embedding"][0].values.to_numpy()
     ns = {"OUT": str(out), "query": query, "os": os}
-    exec(readme_example("lance"), ns)
+    exec(docs_example("lance"), ns)
     assert ns["hits"]["id"][0].as_py() == 7 and ns["one"].num_rows == 1 and ns["found"][0]["id"] == 7
 
 

@@ -1,4 +1,4 @@
-"""The output in users' hands: the README's reading examples run as written, the folder is a
+"""The output in users' hands: the docs' reading examples run as written, the folder is a
 dataset pyarrow reads as it is, and outputs of the older layout (manifest.json) still work."""
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ from helpers import make_job, write_parquet
 from batchembed.run import run_job
 from batchembed.tools.verify import verify_output
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 ROWS = 60
 
 
-def readme_example(name: str) -> str:
-    m = re.search(rf"<!-- readme-test: {name} -->\n```python\n(.*?)```", README.read_text(), re.S)
-    assert m, f"README has no example marked readme-test: {name}"
-    return m.group(1)
+def docs_example(name: str) -> str:
+    """The Python snippet marked `<!-- docs-test: NAME -->` on a page of docs/, as a user copies it."""
+    for page in sorted(DOCS.rglob("*.md")):
+        m = re.search(rf"<!-- docs-test: {name} -->\n```python\n(.*?)```", page.read_text(), re.S)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"no page of docs/ has an example marked docs-test: {name}")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,9 @@ def _query(outputs, row: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("row", [7])
-def test_the_readme_reads_float_output_with_pyarrow_polars_duckdb_lancedb_and_faiss(outputs, tmp_path, row):
+def test_the_docs_reads_float_output_with_pyarrow_polars_duckdb_lancedb_and_faiss(outputs, tmp_path, row):
     ns = {"OUT": str(outputs["float32"]), "TMP": str(tmp_path), "query": _query(outputs, row)}
-    exec(readme_example("float32"), ns)
+    exec(docs_example("float32"), ns)
     assert ns["table"].num_rows == ROWS and ns["df"].height == ROWS
     assert ns["table"].column_names == ["id", "text_hash", "embedding"]
     assert ns["top"][0][0] == row and ns["top"][0][1] == pytest.approx(1.0, abs=1e-5)
@@ -60,9 +63,9 @@ def test_the_readme_reads_float_output_with_pyarrow_polars_duckdb_lancedb_and_fa
 
 
 @pytest.mark.parametrize("dtype", ["int8", "binary"])
-def test_the_readme_searches_quantised_outputs_with_a_quantised_query(outputs, dtype):
+def test_the_docs_searches_quantised_outputs_with_a_quantised_query(outputs, dtype):
     ns = {"OUT": str(outputs[dtype]), "query": _query(outputs, 11)}
-    exec(readme_example(dtype), ns)
+    exec(docs_example(dtype), ns)
     assert ns["best"][0] == 11
 
 
