@@ -13,9 +13,9 @@ sentence-transformers' side (the reference) runs on CPU. For engines a run start
 computed in a process of its own, started once per run before the engines (Reference): it
 overlaps vLLM's import (and on a GPU the engines' builds; a CPU engine's build waits for it,
 since its OpenMP threads are bound to the cores), every engine of the run compares against the
-same vectors, and no engine process keeps a copy of the model. Embedding 16 rows of a Qwen3-0.6B
-shape at 512 tokens took 13.2 s on two CPU cores (scripts/fidelity_cost.py), which each engine
-process paid after its build. An engine handed to the run, already built, is checked in the
+same vectors, and no engine process keeps a copy of the model. The reference is not small (16 rows
+of a 0.6 B decoder at 512 tokens take seconds on a few CPU cores), which each engine process would
+otherwise pay after its build. An engine handed to the run, already built, is checked in the
 calling process.
 """
 

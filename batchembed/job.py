@@ -162,11 +162,11 @@ def _check_index(spec: JobSpec, dims: list[int]) -> None:
         return
     if spec.output.format != "lance":
         raise JobError(f"output.index: needs output.format: lance (this job writes {spec.output.format}; "
-                       "a Parquet output is indexed by whatever reads it, as the README shows)")
+                       "a Parquet output is indexed by whatever reads it, as docs/output.md shows)")
     if spec.embedding.output_dtype not in ("float32", "float16"):
         raise JobError(f"output.index: Lance's vector indexes take float vectors, and this job writes "
                        f"{spec.embedding.output_dtype} (embedding.output_dtype); write float16 to index them, "
-                       "or leave output.index out and search the stored vectors as the README shows")
+                       "or leave output.index out and search the stored vectors as docs/output.md shows")
     names = column_names(dims)
     column = index_column(spec, dims)
     if column not in names.values():

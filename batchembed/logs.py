@@ -50,7 +50,7 @@ def setup_logging(level: str | int, as_json: bool = False, engine: int | None = 
     if level > logging.DEBUG:
         handler.addFilter(_OthersAtWarning(level))
     logging.basicConfig(level=level, handlers=[handler], force=True)
-    # vLLM logs to stdout unless told; stdout is the run's JSON summary, one line (README)
+    # vLLM logs to stdout unless told; stdout is the run's JSON summary, one line (docs/reference/cli.md)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     # vLLM logs per weight and per process at INFO and WARNING; its errors still show.
     # Set through the environment so the engine's child processes obey it too; a

@@ -46,8 +46,8 @@ def _reporter(bar):
 def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
     """Parts are the unit of work: with few per engine, the last ones run while the rest wait."""
     engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
-    # The engines that finish first wait for the last part in progress: up to a part's work. Six
-    # bge-base engines on an H200 with 3.3 parts each waited 11 s of a 154 s job at the end.
+    # The engines that finish first wait for the last part in progress: up to a part's work, a
+    # visible share of the job when each engine has only a few parts.
     if engines < 2 or not pending or len(pending) >= 6 * engines:
         return
     rows = sum(t.num_rows for t in pending)

@@ -149,9 +149,9 @@ def _config(model: ModelInfo) -> dict:
 
 
 def best(trials: list[Trial]) -> Trial:
-    """The fastest while running; of ties within 1 %, the fewest engines. (Within 3 % before: on an
-    H200 it chose one Qwen3-0.6B engine at 512 tokens over two measured 2.4 % faster, and the
-    whole job then ran 3.5 % slower than with two: notes/performance.md.)"""
+    """The fastest while running; of ties within 1 %, the fewest engines. The band is narrow: a
+    few percent while running is a few percent over the whole job, more than one engine's start
+    and memory cost."""
     top = max(t.running_tokens_per_s for t in trials)
     return min((t for t in trials if t.running_tokens_per_s >= 0.99 * top), key=lambda t: t.engines)
 

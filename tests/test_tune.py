@@ -46,7 +46,7 @@ def test_best_is_the_fastest_running_and_of_ties_within_1_percent_the_fewest_eng
     def trials(*rates):
         return [Trial(k, 1, 1, r, r, r / 2, 1.0, 0.0, None) for k, r in rates]
 
-    # the H200's sample runs (notes/performance.md): Qwen3-0.6B @ 512, then bge-base @ 80
+    # tune's sample runs on an H200: Qwen3-0.6B @ 512, then bge-base @ 80
     assert best(trials((1, 455_149), (2, 466_468))).engines == 2
     assert best(trials((6, 1_919_462), (8, 1_974_612))).engines == 8
     assert best(trials((1, 1000), (2, 1009), (4, 990))).engines == 1  # within 1 %: fewer engines

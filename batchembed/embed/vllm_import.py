@@ -52,12 +52,10 @@ def imports_frozen():
     longer writes to every page of that heap as it collects.
     Frozen before the collector is on again, and without a collection first: switched on over an
     import's objects, all still in its youngest generation, the collector's first passes walk them
-    all (a 0.43 s pass on the development machine), and a full collection before the freeze took
-    0.5 s more, for ~17,000 unreachable objects of the import that now stay (frozen, never walked).
+    all, and a full collection before the freeze costs more than the few unreachable objects of the
+    import that now stay (frozen, never walked) are worth.
     Whether the heap is frozen already is this module's to know, not `gc.get_freeze_count()`'s: the
-    lent GPU machines' Python 3.12 starts with 375 objects frozen, which read as done, so the import
-    was never frozen there. Frozen, a Qwen3-0.6B build on an H100 took 6.3 s against 7.5 s
-    (notes/performance.md, 2026-12-06)."""
+    Python 3.12 can start with a few hundred objects frozen already, which would read as done."""
     global _heap_frozen
     state = types.SimpleNamespace(froze=False)
     tuned = _collector_tuned()
@@ -80,8 +78,7 @@ LEAN_IMPORT_ENV = "BATCHEMBED_LEAN_IMPORT"
 # imported by vLLM and transformers at their own import where installed, for work an embedding
 # engine never does: scikit-learn for transformers' assisted generation (roc_curve), SciPy for
 # its object-detection losses and vLLM's audio resampling. Both guard the import (the code just
-# goes without), and sentence-transformers installs both. 0.7-0.9 s of a 5.4-5.9 s import on the
-# 2-core development machine (notes/performance.md, 2026-12-06).
+# goes without), and sentence-transformers installs both: about a sixth of vLLM's import.
 UNUSED_BY_ENGINES = ("sklearn", "scipy")
 
 
@@ -110,8 +107,8 @@ def inspect_here(architectures) -> None:
     Unless its cache (`~/.cache/vllm/modelinfos`) holds the class, vLLM inspects it in a new
     interpreter (`python -m vllm.model_executor.models.registry`, kept off CUDA), which imports
     vLLM again: on a fresh machine that is every run's first engine, and every engine process of
-    a multi-engine run at once. It was 16 s of a fresh H200's first build (21.1 s, against 5.0 s
-    with the cache warm). Registering the class object (vLLM's public `ModelRegistry.register_model`)
+    a multi-engine run at once, most of a fresh machine's first build. Registering the class object
+    (vLLM's public `ModelRegistry.register_model`)
     has it inspected in place. Only vLLM's own model modules, which touch no GPU as they are
     imported (the forkserver of engine processes does this too, before any fork); plugins' models,
     and a vLLM whose registry keeps no module and class names, are left to vLLM's own way."""

@@ -25,6 +25,6 @@ with imports_frozen(), unused_packages_hidden():
     from vllm import LLM, PoolingParams  # noqa: F401 - the import itself is the point
 
     IMPORT_SECONDS = time.perf_counter() - _t0
-    # the job's model class, inspected here once rather than in every engine process (0.8-1.0 s
-    # each for bge-base on an H100 host)
+    # the job's model class, inspected here once rather than in every engine process (about a
+    # second each)
     inspect_here(os.environ.get(ARCHITECTURES_ENV, "").split(","))

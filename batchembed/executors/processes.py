@@ -2,9 +2,8 @@
 parts one at a time over a pipe of its own.
 
 One process per replica, not one thread: a vLLM engine's front end (request
-building, output handling) is Python and needs a core of its own; four engines
-in one process measured 0.26 M tok/s on an H200 against 0.35 M for one
-(notes/performance.md). Each worker plans the job itself (footers only), runs the
+building, output handling) is Python and needs a core of its own: several engines
+in one process share one interpreter and ran slower than one. Each worker plans the job itself (footers only), runs the
 same worker body as a single-engine run (base.Worker), commits its parts, and reports
 progress and its WorkerReport back. The parent plans, resumes and writes the manifest.
 """
@@ -113,9 +112,8 @@ def _share_cores(replicas: int) -> None:
     """Each engine process's tokenizer gets its share of the cores, not a thread for every core.
 
     Hugging Face tokenizers encode a batch on a Rayon pool of one thread per core. Eight engine
-    processes on a 16-core GPU host ran 128 such threads beside their engines: the reading
-    threads took 1.3 cores per engine process while the run was CPU-bound (scripts/gpu_profile.sh,
-    notes/performance.md). A RAYON_NUM_THREADS set by the user is kept."""
+    processes on a 16-core GPU host would run 128 such threads beside their engines, competing
+    with the engines' front ends for the cores. A RAYON_NUM_THREADS set by the user is kept."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -197,8 +197,7 @@ class EmbedStage:
         ended = False
         if self.engine is None and self.p.previous is None and has_work():
             # Without a previous output to reuse from, a run's rows need the engine: it starts now,
-            # while the reader reads and tokenises the first windows (1.4 s of each engine
-            # process's start on an H200 host, notes/performance.md), not after.
+            # while the reader reads and tokenises the first windows, not after.
             self._engine()
         while True:
             while held and not _waiting(held[0]):

@@ -29,10 +29,9 @@ log = logging.getLogger(__name__)
 
 
 # Windows the reader keeps ready while the engine is being built (BATCHEMBED_READ_AHEAD_WHILE_BUILDING
-# changes it, to compare: scripts/gpu_tuned.sh AB=). Tokenising five windows ahead, as the queue
-# allows, took 10-16 of an H100 host's 16 cores for 7 s of two engines' builds: eight bge-base engines
-# built in 5.2-6.0 s with one window ahead against 6.7-7.6 s with five (notes/performance.md). The
-# rest is tokenised while the engines run.
+# changes it, to compare). Tokenising as far ahead as the queue allows takes the host's cores from
+# the engines' builds, which are CPU-bound too and slowed by it; the rest is tokenised while the
+# engines run.
 READ_AHEAD_WHILE_BUILDING = int(os.environ.get("BATCHEMBED_READ_AHEAD_WHILE_BUILDING", "1"))
 
 
