@@ -15,6 +15,16 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from helpers import MODEL
 
+# The tiers (pyproject.toml's markers): a test that takes the session's real engine or its S3 server
+# is marked so by the fixture it asks for; modules of whole-process runs mark themselves `slow`.
+_MARK_BY_FIXTURE = {"engine": "engine", "st_model": "engine", "s3": "s3", "s3_env": "s3"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture in set(item.fixturenames) & set(_MARK_BY_FIXTURE):
+            item.add_marker(_MARK_BY_FIXTURE[fixture])
+
 
 @pytest.fixture(scope="session")
 def model_info():
