@@ -12,11 +12,13 @@ runs batchembed as a user does (`Case.ab_variants`) a second time with the code 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,15 +124,21 @@ def measure_process(cmd: list[str], env: dict | None = None, cwd: Path | None = 
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd, text=True, start_new_session=True)
     peak, samples, last = 0, [], (time.perf_counter(), *_cpu_ticks())
-    while proc.poll() is None:
-        peak = max(peak, tree_rss_mb(proc.pid))
-        time.sleep(0.2)
-        now = time.perf_counter()
-        if now - last[0] >= 1.0:
-            ticks, idle = _cpu_ticks()
-            busy = os.cpu_count() * (1 - (idle - last[2]) / max(ticks - last[1], 1))
-            samples.append((round(now - t0, 1), round(busy, 2), _gpu_busy()))
-            last = (now, ticks, idle)
+    try:
+        while proc.poll() is None:
+            peak = max(peak, tree_rss_mb(proc.pid))
+            time.sleep(0.2)
+            now = time.perf_counter()
+            if now - last[0] >= 1.0:
+                ticks, idle = _cpu_ticks()
+                busy = os.cpu_count() * (1 - (idle - last[2]) / max(ticks - last[1], 1))
+                samples.append((round(now - t0, 1), round(busy, 2), _gpu_busy()))
+                last = (now, ticks, idle)
+    finally:
+        # the measured process and everything it started (a plain vLLM script's engine processes)
+        # end with the benchmark, also when it is stopped (Ctrl-C, SIGTERM)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
     wall = time.perf_counter() - t0
     if log:
         err.close()
@@ -241,7 +249,12 @@ def _worktree(ref: str) -> Path:
     return path
 
 
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)  # SIGTERM unwinds like Ctrl-C: measured processes are ended
+
+
 def run_case(case: Case, argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     ap = argparse.ArgumentParser(prog=f"python -m benchmarks {case.name}", description=case.help)
     ap.add_argument("--variants", default=case.default_variants or ",".join(case.variants),
                     help=f"comma-separated, from: {', '.join(f'{k} ({v})' for k, v in case.variants.items())}")

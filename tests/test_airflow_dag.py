@@ -17,6 +17,8 @@ BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 CHECK = r'''
 import importlib.util, sys
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
 spec = importlib.util.spec_from_file_location("dag_file", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)

@@ -5,10 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 from helpers import job_dict, left_in, read_output, write_parquet
 
 from batchembed.embed.host import cpu_dtype, cpu_flags
+
+pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 

@@ -21,6 +21,8 @@ from helpers import BIN, group_alive, job_dict, left_in, start_run, tiny_decoder
 
 from batchembed.embed.watchdog import child_pids, descendant_pids
 
+pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
+
 
 def _comm(pid: int) -> str:
     try:

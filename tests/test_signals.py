@@ -13,6 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import BIN, group_alive, job_dict, start_run, write_parquet
 
+pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
+
 
 # Ctrl-C reaches a terminal's whole foreground group; Airflow's BashOperator sends SIGTERM to
 # its command's process group on a timeout or a kill

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 
+import pytest
 import yaml
 from click.testing import CliRunner
 from helpers import job_dict, write_parquet
@@ -14,6 +15,8 @@ from helpers import job_dict, write_parquet
 from batchembed.cli import cli
 from batchembed.config import load_job
 from batchembed.tune import Trial, best, flops_per_token, tuned_rows_per_part
+
+pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
 
 
 def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp_path):
