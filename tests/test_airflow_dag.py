@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # another venv and whole batchembed processes (make test only)
+
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_PY = Path(os.environ.get("BATCHEMBED_AIRFLOW_PYTHON", ROOT / ".venv-airflow" / "bin" / "python"))
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
@@ -18,7 +20,6 @@ CHECK = r'''
 import importlib.util, sys
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
 spec = importlib.util.spec_from_file_location("dag_file", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
