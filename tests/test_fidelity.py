@@ -54,6 +54,7 @@ def _model_with_a_default_prompt(tmp_path, model_info):
     return model
 
 
+@pytest.mark.slow  # builds engines of its own
 def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
     """An engine handed to the run: checked in this process."""
     model = _model_with_a_default_prompt(tmp_path, model_info)
@@ -72,6 +73,7 @@ def test_a_model_the_engine_reads_differently_is_refused(tmp_path, model_info):
         engine.close()
 
 
+@pytest.mark.slow  # builds engines of its own
 def test_an_engine_the_run_starts_is_checked_against_a_reference_made_meanwhile(tmp_path, model_info):
     """The CLI starts its engine; sentence-transformers' side is computed in a process of its own
     while the engine starts (fidelity.Reference), and a disagreement still refuses the run."""
@@ -133,6 +135,7 @@ def test_the_reference_process_gives_sentence_transformers_vectors_or_says_why_n
         killed.close()
 
 
+@pytest.mark.slow  # builds engines of its own
 def test_a_script_without_a_main_guard_can_run_a_job(tmp_path):
     """The reference's process is a new interpreter, not multiprocessing's spawn, which would run
     the script's top level again (and fail the check) where it has no `if __name__ == "__main__"`."""
