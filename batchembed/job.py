@@ -16,6 +16,7 @@ import pyarrow as pa
 from . import inputs, storage
 from .config import JobSpec
 from .embed.matryoshka import column_names
+from .embed.heads import document_marker
 from .embed.tokenizer import Tokenizer, model_tokenizer
 from .embed.vectors import PACKED, vector_type
 from .errors import JobError, RunError
@@ -91,7 +92,7 @@ class Prepared:
         return pa.schema(fields)
 
     def tokenizer(self) -> Tokenizer:
-        return model_tokenizer(self.model.path, self.max_length, self.spec.model)
+        return model_tokenizer(self.model.path, self.max_length, self.spec.model, document_marker(self.model))
 
     def iter_batches(self, task: Task, batch_rows: int) -> Iterator[pa.RecordBatch]:
         """The task's rows, the columns the job reads, `batch_rows` at a time."""

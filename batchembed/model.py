@@ -34,6 +34,46 @@ class ModelInfo:
     kv_values_per_token: int | None = None  # K and V values a token keeps in all layers; None: unknown
     causal: bool = False  # a decoder (Qwen3-Embedding, e5-mistral, ...); False: an encoder (BERT-like)
     architectures: tuple[str, ...] = ()  # config.json's, the names vLLM looks its model class up by
+    family: str = "dense"  # one of FAMILIES: how the model's outputs are made from its token states
+    outputs: tuple[str, ...] = ("dense",)  # the representations it gives (REPRESENTATIONS)
+    multi_vector_dimension: int | None = None  # each token vector's size (multi_vector)
+    vocab_size: int | None = None  # sparse vectors index the vocabulary
+
+
+# What a row can be written as: one vector (dense), vocabulary weights (sparse), or one vector
+# per token (multi_vector, late interaction).
+REPRESENTATIONS = ("dense", "sparse", "multi_vector")
+# How a model folder is read, by its layout: a sentence-transformers dense model (vLLM pools it);
+# a sentence-transformers SparseEncoder with SpladePooling; a PyLate ColBERT; FlagEmbedding's BGE-M3
+# (sparse_linear.pt and colbert_linear.pt beside an XLM-RoBERTa). For all but dense the engine gives
+# each token's hidden state and embed/heads.py applies the model's own heads to them.
+FAMILIES = {"dense": ("dense",), "splade": ("sparse",), "colbert": ("multi_vector",),
+            "bge-m3": ("dense", "sparse", "multi_vector")}
+
+
+def _family(path: Path, config: dict, st_config: dict, modules: list) -> tuple[str, int | None]:
+    """(family, multi-vector dimension) of a model folder, from its layout alone."""
+    kinds = [m.get("type", "") for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+    if (path / "colbert_linear.pt").is_file() and (path / "sparse_linear.pt").is_file():
+        return "bge-m3", int(config.get("hidden_size") or 0) or None
+    if any(k.endswith("SpladePooling") for k in kinds):
+        if not any(k.endswith("MLMTransformer") for k in kinds):
+            raise JobError(f"model: {path}: a SPLADE model whose encoder is not a masked-LM transformer "
+                           f"({', '.join(kinds)}); batchembed reads MLMTransformer + SpladePooling")
+        return "splade", None
+    if any(k.endswith("SparseStaticEmbedding") for k in kinds) or any(k.endswith("Router") for k in kinds):
+        raise JobError(f"model: {path}: an inference-free or routed sparse model ({', '.join(kinds)}); batchembed "
+                       "reads SPLADE models (MLMTransformer + SpladePooling) and BGE-M3")
+    if st_config.get("model_type") == "ColBERT":
+        dim = None
+        for m in modules if isinstance(modules, list) else []:
+            if m.get("type", "").endswith("Dense"):
+                dim = _read_json(path / m.get("path", "") / "config.json").get("out_features", dim)
+        return "colbert", dim
+    if "HF_ColBERT" in (config.get("architectures") or ()):
+        raise JobError(f"model: {path}: a Stanford ColBERT checkpoint (HF_ColBERT); batchembed reads PyLate's "
+                       "layout: convert it once with `pylate.models.ColBERT('<folder>').save('<new folder>')`")
+    return "dense", None
 
 
 DECODER_TYPES = {"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
@@ -117,6 +157,7 @@ def read_model_info(name: str) -> ModelInfo:
     config = _read_json(path / "config.json")
     st_config = _read_json(path / "sentence_bert_config.json")
     modules = _read_json(path / "modules.json") or []
+    family, multi_dim = _family(path, config, _read_json(path / "config_sentence_transformers.json"), modules)
 
     dimension = config.get("hidden_size") or config.get("d_model")
     for module in modules if isinstance(modules, list) else []:
@@ -136,6 +177,8 @@ def read_model_info(name: str) -> ModelInfo:
     limits = [x for x in limits if isinstance(x, int) and x > 0]
     # sentence-transformers' max_seq_length wins: it is what the model was trained with.
     max_length = st_config.get("max_seq_length") or (min(limits) if limits else 512)
+    if family == "colbert":  # PyLate cuts documents at document_length, its marker included
+        max_length = _read_json(path / "config_sentence_transformers.json").get("document_length") or max_length
 
     mdims = config.get("matryoshka_dimensions")
     return ModelInfo(
@@ -149,6 +192,10 @@ def read_model_info(name: str) -> ModelInfo:
         kv_values_per_token=kv_values_per_token(config),
         causal=is_causal(config),
         architectures=tuple(config.get("architectures") or ()),
+        family=family,
+        outputs=FAMILIES[family],
+        multi_vector_dimension=multi_dim,
+        vocab_size=config.get("vocab_size"),
     )
 
 

@@ -2,9 +2,16 @@
 mean, so a bge-base or Qwen3-0.6B shape runs as fast as the trained model, with no hub to reach.
 Each gets the MiniLM tokenizer (a BERT WordPiece vocabulary of 30,522).
 
-    python -m benchmarks.models OUT_DIR [--tiny]    # bge-base/ and qwen3-0.6b/ under OUT_DIR
+    python -m benchmarks.models OUT_DIR [--tiny] [--shapes bge-base,qwen3-0.6b,...]
 
---tiny makes two-layer versions of the same architectures, for trying the GPU suite on a CPU.
+The sparse and multi-vector families are saved in their own libraries' layouts, so those
+libraries load them as they load the trained models: `splade` (sentence-transformers'
+SparseEncoder: a BERT masked-LM head and SpladePooling), `colbert` (PyLate: a BERT and a Dense
+projection to 128) and `bge-m3` (FlagEmbedding's BGE-M3: an XLM-RoBERTa with sparse_linear.pt and
+colbert_linear.pt). The tests build their tiny versions.
+
+--tiny makes two-layer versions of the same architectures (hidden size 64 for the three
+families above), for trying the GPU suite on a CPU and for the tests.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import shutil
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-SHAPES = ("bge-base", "qwen3-0.6b")
+SHAPES = ("bge-base", "qwen3-0.6b")  # the GPU suite's
+FAMILIES = ("splade", "colbert", "bge-m3")  # sparse and multi-vector
 
 
 def minilm_dir() -> Path:
@@ -31,6 +39,8 @@ def make(out: Path, name: str, tiny: bool = False) -> Path:
     folder = out / (f"{name}-tiny" if tiny else name)
     if (folder / "config.json").exists():
         return folder
+    if name in FAMILIES:
+        return _make_family(folder, name, tiny)
     torch.manual_seed(0)
     layers = 2 if tiny else None
     if name == "bge-base":
@@ -58,12 +68,79 @@ def make(out: Path, name: str, tiny: bool = False) -> Path:
     return folder
 
 
+def _bert_config(tiny: bool, **kw):
+    from transformers import BertConfig
+
+    size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if tiny else \
+        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+    return BertConfig(vocab_size=30522, max_position_embeddings=512, **size, **kw)
+
+
+def _make_family(folder: Path, name: str, tiny: bool) -> Path:
+    """A random-weight model of a sparse or multi-vector family, in its library's layout."""
+    import torch
+
+    torch.manual_seed(0)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = folder.with_name(f".{folder.name}.base")
+    shutil.rmtree(base, ignore_errors=True)
+    try:
+        if name == "splade":
+            from sentence_transformers import SparseEncoder
+            from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+            from transformers import BertForMaskedLM
+
+            BertForMaskedLM(_bert_config(tiny)).save_pretrained(base)
+            _copy_tokenizer(base)
+            SparseEncoder(modules=[MLMTransformer(str(base), max_seq_length=512), SpladePooling("max")],
+                          device="cpu").save(str(tmp))
+        elif name == "colbert":
+            from pylate.models import ColBERT, Dense
+            from sentence_transformers.models import Transformer
+            from transformers import BertModel
+
+            cfg = _bert_config(tiny)
+            BertModel(cfg).save_pretrained(base)
+            _copy_tokenizer(base)
+            # modules given, as PyLate saves them: from a bare encoder folder PyLate would convert the
+            # mean pooling sentence-transformers adds to it
+            modules = [Transformer(str(base), max_seq_length=512),
+                       Dense(in_features=cfg.hidden_size, out_features=16 if tiny else 128, bias=False)]
+            ColBERT(modules=modules, document_length=180, device="cpu").save(str(tmp))
+        elif name == "bge-m3":
+            from transformers import XLMRobertaConfig, XLMRobertaModel
+
+            size = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if tiny \
+                else dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+            # the MiniLM tokenizer pads with 0; XLM-RoBERTa's positions count from its pad id
+            cfg = XLMRobertaConfig(vocab_size=30522, max_position_embeddings=514, pad_token_id=0,
+                                   type_vocab_size=1, **size)
+            cfg.position_embedding_type = "absolute"  # as BGE-M3's config says; vLLM reads it
+            XLMRobertaModel(cfg).save_pretrained(tmp)
+            _copy_tokenizer(tmp)
+            h = cfg.hidden_size
+            torch.save(torch.nn.Linear(h, h).state_dict(), tmp / "colbert_linear.pt")
+            torch.save(torch.nn.Linear(h, 1).state_dict(), tmp / "sparse_linear.pt")
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _copy_tokenizer(folder: Path) -> None:
+    for f in TOKENIZER_FILES:
+        shutil.copy(minilm_dir() / f, folder / f)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES + FAMILIES)}")
     a = ap.parse_args(argv)
-    for name in SHAPES:
+    for name in a.shapes.split(","):
         print(make(a.out_dir, name, a.tiny))
     return 0
 

@@ -24,15 +24,16 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .. import procguard, scratch
 from ..config import EngineSpec
 from ..errors import EngineFailure, RequestFailure, RunError
-from ..model import ModelInfo
+from ..model import ModelInfo, model_content_hash
 from . import bytecode
+from .heads import Heads, Reps, encoder_folder
 from .host import BF16_FLAGS, cpu_dtype, cpu_engine_env, cpu_flags, placement, quiet_front_end
 from .settings import MULTIPROCESSING_ENV, default_in_process, default_step_limits, vllm_args
 from .vllm_import import imports_frozen, inspect_here, unfreeze_heap, unused_packages_hidden
@@ -105,6 +106,14 @@ def _prompt_maker():
     return tokens_input
 
 
+def _token_states(PoolingParams):
+    """Pooling parameters that give each token's last hidden state as it is: `token_embed` with
+    no normalisation (vLLM calls that `normalize` in older releases, `use_activation` later)."""
+    fields = getattr(PoolingParams, "__struct_fields__", ())
+    return PoolingParams(task="token_embed", **({"normalize": False} if "normalize" in fields
+                                                else {"use_activation": False}))
+
+
 _in_process_engines: set[int] = set()  # the engines of this process that run in it (ids)
 _left_to_exit: list = []  # engines (vLLM's LLM) whose teardown is left to this process's exit (Engine.leave)
 
@@ -156,7 +165,7 @@ class Engine:
     """
 
     def __init__(self, model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec,
-                 replica: int = 0, replicas: int = 1, cpu_wait=None):
+                 replica: int = 0, replicas: int = 1, cpu_wait=None, outputs: tuple[str, ...] = ("dense",)):
         """`cpu_wait()`: on CPU, called after vLLM's import and before the build (the run's
         fidelity reference, which must be off the cores first): the engine's OpenMP threads are
         bound to the cores, and a Qwen3-0.6B shape's build took 20.1 s instead of 2.7 s beside it
@@ -181,6 +190,14 @@ class Engine:
 
         self.key = EngineKey(str(model.path), dtype, max_length)
         self.dimension = model.dimension
+        # a family whose heads run here (heads.py): the engine gives each token's hidden state
+        self.outputs = tuple(outputs)
+        self.multi_dimension = model.multi_vector_dimension
+        self._heads_for = model if model.family != "dense" else None
+        self.heads = None
+        engine_model = model
+        if self._heads_for is not None:
+            engine_model = replace(model, path=encoder_folder(model, model_content_hash(model.path)))
         self.on_cpu = current_platform.is_cpu()
         flags = cpu_flags() if self.on_cpu else None
         if self.on_cpu and dtype != (native := cpu_dtype(dtype, flags)):
@@ -206,7 +223,7 @@ class Engine:
         # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
         # FLOPs (one engine stalls near 4-5k sequences/s at 80 tokens), so steps are larger.
         self.token_budget, self.max_batch_rows = default_step_limits(spec, self.on_cpu, max_length)
-        args = vllm_args(model, dtype, max_length, spec, self.on_cpu, sharing)
+        args = vllm_args(engine_model, dtype, max_length, spec, self.on_cpu, sharing)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})
@@ -262,7 +279,14 @@ class Engine:
             _in_process_engines.add(id(self))
         if self.on_cpu:
             quiet_front_end(self.llm)
-        self._params = PoolingParams(task="embed")
+        if self._heads_for is None:
+            self._params = PoolingParams(task="embed")
+        else:
+            self._params = _token_states(PoolingParams)
+            import torch
+
+            device = "cuda" if not self.on_cpu and torch.cuda.is_available() else "cpu"
+            self.heads = Heads(self._heads_for, self.outputs, device)
         self._prompt = _prompt_maker()
         self._ids = itertools.count()
         # request id -> (its submission, position, tokens)
@@ -282,7 +306,7 @@ class Engine:
 
         The scheduler takes sequences in the order they were queued, so a caller that submits
         rows in token-budget batch order gets those batches as its steps."""
-        pending = Pending(len(token_ids), self.dimension)
+        pending = self.pending(len(token_ids))
         if not token_ids:
             return pending
         self.calls += 1
@@ -292,7 +316,7 @@ class Engine:
         slots, ids, params = self._slots, self._ids, self._params
         for i, seq in enumerate(token_ids):
             rid = str(next(ids))
-            slots[rid] = (pending, i, len(seq))
+            slots[rid] = (pending, i, seq if self.heads is not None else len(seq))
             if self._reject is not None and self._reject in seq:
                 self._rejected.add(rid)
             if self._fail is not None and self._fail in seq:
@@ -335,6 +359,7 @@ class Engine:
         if self.watchdog.failure:  # it gave up on this engine while the step came back
             raise EngineFailure(self.watchdog.failure)
         self.watchdog.progress(time.perf_counter() - t0)
+        states: list = []  # (pending, position, token ids, token states): for the heads, all at once
         for out in outputs:
             if not out.finished:
                 continue
@@ -342,24 +367,38 @@ class Engine:
             slot = self._slots.pop(out.request_id.split("-", 1)[0], None)
             if slot is None:  # a request aborted after a failure, finished before the abort reached it
                 continue
-            pending, i, _ = slot
+            pending, i, seq = slot
             if getattr(out, "error", None) is not None:
                 self.abort()
                 raise RequestFailure(f"the engine failed a request of {len(out.prompt_token_ids)} tokens: "
                                      f"{out.error}")
             data = out.outputs.data
+            if self.heads is not None:
+                if data.ndim != 2 or data.shape[0] != len(seq) or data.shape[1] != self.heads.hidden:
+                    self.abort()
+                    raise RunError(f"engine returned shape {tuple(data.shape)} for a row of {len(seq)} tokens, "
+                                   f"expected one hidden state of {self.heads.hidden} per token")
+                states.append((pending, i, seq, data))
+                continue
             # The per-token bug: a missing pooling task yields (tokens, hidden) per row.
             if tuple(data.shape) != (self.dimension,):
                 self.abort()
                 raise RunError(f"engine returned shape {tuple(data.shape)} per row, expected one vector of "
                                f"{self.dimension}: the model's pooling does not produce sentence embeddings")
             pending.put(i, data)
+        if states:
+            for (pending, i, _, _), reps in zip(states, self.heads([x[3] for x in states], [x[2] for x in states])):
+                pending.put(i, reps)
+
+    def pending(self, rows: int) -> "Pending":
+        """An empty result for `rows` sequences, of this engine's representations."""
+        return Pending(rows, self.dimension if "dense" in self.outputs else 0, self.outputs, self.multi_dimension)
 
     def _queued(self) -> str:
         """What is queued, for a stall's message: how many sequences, their lengths, and how many
         have the engine's most tokens (a row split across steps at that length never finished on
         vLLM 0.24: vllm_args)."""
-        lengths = [n for _, _, n in list(self._slots.values())]
+        lengths = [n if isinstance(n, int) else len(n) for _, _, n in list(self._slots.values())]
         if not lengths:
             return "no sequences queued"
         most = self.key.max_length
@@ -476,10 +515,13 @@ def _engine_processes(before: set[int]) -> list[tuple[int, str]]:
 
 
 class Pending:
-    """The vectors of one `Engine.submit`, filled in as the engine finishes its sequences."""
+    """The vectors of one `Engine.submit`, filled in as the engine finishes its sequences: a
+    dense vector per row, or (`outputs` beyond dense) a heads.Reps per row."""
 
-    def __init__(self, rows: int, dimension: int):
+    def __init__(self, rows: int, dimension: int, outputs: tuple[str, ...] = ("dense",),
+                 multi_dimension: int | None = None):
         self.rows, self.dimension, self.left = rows, dimension, rows
+        self.outputs, self.multi_dimension = tuple(outputs), multi_dimension
         self._parts: list = [None] * rows
 
     @classmethod
@@ -489,6 +531,29 @@ class Pending:
         for i, row in enumerate(matrix):
             pending.put(i, row)
         return pending
+
+    @property
+    def reps(self) -> bool:
+        """Whether rows are heads.Reps (the job writes more than dense vectors)."""
+        return self.outputs != ("dense",)
+
+    def empty_row(self):
+        """What a row the engine failed holds."""
+        if self.reps:
+            return Reps.empty(self.outputs, self.dimension, self.multi_dimension)
+        return np.zeros(self.dimension, np.float32)
+
+    def take(self, other: "Pending", at: int) -> None:
+        """Rows of a finished `other` into positions at.. of this one."""
+        for k, part in enumerate(other._parts):
+            self.put(at + k, part)
+
+    def extras(self) -> dict[str, list]:
+        """Per representation other than dense, each row's value, once done (an empty dict for
+        dense-only)."""
+        if not self.reps:
+            return {}
+        return {name: [getattr(r, name) for r in self._parts] for name in self.outputs if name != "dense"}
 
     @property
     def done(self) -> bool:
@@ -503,11 +568,14 @@ class Pending:
         are torch tensors from vLLM, or numpy arrays from an engine that has no torch."""
         if not self.rows:
             return np.zeros((0, self.dimension), dtype=np.float32)
+        if self.reps:
+            if not self.dimension:
+                return np.zeros((self.rows, 0), dtype=np.float32)
+            return np.stack([r.dense for r in self._parts]).astype(np.float32, copy=False)
         if isinstance(self._parts[0], np.ndarray):
             m = np.stack(self._parts).astype(np.float32, copy=False)
         else:
             import torch
 
             m = torch.stack(self._parts).to(torch.float32).cpu().numpy()
-        self._parts = []
         return m

@@ -121,7 +121,9 @@ class Tokenizer:
     max_length tokens (special tokens and prefix in each) that overlap by `overlap` tokens."""
 
     def __init__(self, model_dir: Path, max_length: int, prefix: str = "", long_text: str = "truncate",
-                 overlap: int = 0):
+                 overlap: int = 0, marker: int | None = None):
+        """`marker`: a token id put after the first token of every sequence (a ColBERT model's
+        document marker, heads.document_marker), inside `max_length`."""
         from tokenizers import Tokenizer as RustTokenizer
 
         tokenizer_json = Path(model_dir) / "tokenizer.json"
@@ -136,7 +138,9 @@ class Tokenizer:
                 raise JobError(f"model: no fast tokenizer could be built from {model_dir}: {e}") from None
         # tokenizer.json often carries padding/truncation presets (MiniLM: pad to 128): replace them.
         tok.no_padding()
-        tok.enable_truncation(max_length)
+        self.marker = marker
+        room = max_length - (marker is not None)
+        tok.enable_truncation(room)
         self._tok = tok
         self.max_length = max_length
         self.prefix = prefix
@@ -145,7 +149,7 @@ class Tokenizer:
             self._setup_chunks(tok, overlap)
         # tokens of text a sequence holds besides its special tokens; texts are cut at about
         # `_chars_per_token` characters for each, then the cut moves further if too many fell short
-        self._text_tokens = max_length - len(tok.encode("", add_special_tokens=True).ids)
+        self._text_tokens = room - len(tok.encode("", add_special_tokens=True).ids)
         why = None if not self.chunking else "long_text: chunk needs every token"
         why = why or cut_safe(tok.to_str())
         self.cutting = why is None and self._text_tokens > 0
@@ -213,6 +217,8 @@ class Tokenizer:
         present = [self.prefix + t if self.prefix else t for t in texts if t is not None]
         encodings = self._encode(present) if present else []
         ids = [e.ids for e in encodings]
+        if self.marker is not None:
+            ids = [x[:1] + [self.marker] + x[1:] for x in ids]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(ids))
         empty = sum(1 for t in texts if t == "")
@@ -231,6 +237,7 @@ class Tokenizer:
         return Tokenized(ids=ids, lengths=lengths, truncated=truncated, valid=valid, empty=empty, chunks=chunks)
 
 
-def model_tokenizer(model_dir: Path, max_length: int, m) -> Tokenizer:
-    """The tokenizer a job's `model` section asks for: prefix/instruction and long_text handling."""
-    return Tokenizer(model_dir, max_length, m.text_prefix, m.long_text, m.chunk_overlap)
+def model_tokenizer(model_dir: Path, max_length: int, m, marker: int | None = None) -> Tokenizer:
+    """The tokenizer a job's `model` section asks for: prefix/instruction and long_text handling
+    (`marker`: Tokenizer's)."""
+    return Tokenizer(model_dir, max_length, m.text_prefix, m.long_text, m.chunk_overlap, marker)
