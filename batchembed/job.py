@@ -15,14 +15,14 @@ import pyarrow as pa
 
 from . import inputs, storage
 from .config import JobSpec
-from .embed.matryoshka import column_names
 from .embed.heads import document_marker
+from .embed.matryoshka import column_names
 from .embed.tokenizer import Tokenizer, model_tokenizer
-from .embed.vectors import PACKED, vector_type
+from .embed.vectors import MULTI_VECTOR, PACKED, SPARSE, SPARSE_TYPE, multi_vector_type, vector_type
 from .errors import JobError, RunError
 from .inputs.base import InputFile, inspect_inputs
 from .inputs.rows import needed_columns, select_rows
-from .model import ModelInfo, model_content_hash, read_model_info
+from .model import REPRESENTATIONS, ModelInfo, model_content_hash, read_model_info
 from .output.layout import LAYOUT, OutputFolder
 from .plan import Task, make_tasks
 from .reuse import TEXT_HASH, open_previous
@@ -43,6 +43,7 @@ class JobFingerprint:
     columns: dict[str, Any] = field(default_factory=dict)
     long_text: str = "truncate"  # or "chunk:<overlap>"
     output_format: str = "parquet"
+    representations: dict[str, Any] = field(default_factory=dict)  # beyond dense: outputs and their settings
 
     def as_dict(self) -> dict[str, Any]:
         d = {"layout": LAYOUT, "model_hash": self.model_hash, "dimensions": list(self.dimensions),
@@ -52,6 +53,8 @@ class JobFingerprint:
             d["long_text"] = self.long_text
         if self.output_format != "parquet":  # the same: Parquet outputs keep their digest
             d["output_format"] = self.output_format
+        if self.representations:  # the same: dense-only outputs keep their digest
+            d["representations"] = self.representations
         return d
 
     @property
@@ -89,7 +92,17 @@ class Prepared:
         fields.append(pa.field(TEXT_HASH, pa.uint64()))
         names = column_names(self.dimensions)
         fields += [pa.field(names[d], vector_type(d, self.spec.embedding.output_dtype)) for d in self.dimensions]
+        if "sparse" in self.outputs:
+            fields.append(pa.field(SPARSE, SPARSE_TYPE))
+        if "multi_vector" in self.outputs:
+            fields.append(pa.field(MULTI_VECTOR, multi_vector_type(self.model.multi_vector_dimension,
+                                                                   self.spec.embedding.multi_vector.dtype)))
         return pa.schema(fields)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The representations the job writes, in the order of REPRESENTATIONS."""
+        return tuple(r for r in REPRESENTATIONS if r in self.spec.embedding.outputs)
 
     def tokenizer(self) -> Tokenizer:
         return model_tokenizer(self.model.path, self.max_length, self.spec.model, document_marker(self.model))
@@ -140,11 +153,34 @@ def _check_model_fit(spec: JobSpec, model: ModelInfo, max_length: int, dims: lis
                        "a row split across engine steps can get a wrong vector (set engine.token_budget instead)")
 
 
+def _check_outputs(spec: JobSpec, model: ModelInfo) -> None:
+    """The representations asked for are ones the model gives, and the keys set fit them."""
+    e = spec.embedding
+    missing = [r for r in e.outputs if r not in model.outputs]
+    if missing:
+        raise JobError(f"embedding.outputs: {missing[0]} is not something {model.path.name} gives: it is a "
+                       f"{model.family} model, which gives {', '.join(model.outputs)} (set embedding.outputs: "
+                       f"[{', '.join(model.outputs)}] or a subset)")
+    if "dense" not in e.outputs:
+        if e.dimensions is not None:
+            raise JobError("embedding.dimensions: applies to dense vectors, and embedding.outputs has no dense")
+        if e.output_dtype != "float32":
+            raise JobError("embedding.output_dtype: applies to dense vectors, and embedding.outputs has no dense "
+                           "(multi-vectors take embedding.multi_vector.dtype)")
+    if spec.model.long_text == "chunk" and set(e.outputs) - {"dense"}:
+        raise JobError("model.long_text: chunk pools the windows of a long text into one dense vector; sparse and "
+                       "multi-vector outputs take the text up to model.max_length (long_text: truncate)")
+    if model.family != "dense" and (spec.model.prefix or spec.model.instruction):
+        raise JobError(f"model.prefix / model.instruction: a {model.family} model takes its documents as they are "
+                       "(a ColBERT model's document marker is put in by batchembed)")
+
+
 def _check_columns(spec: JobSpec, dims: list[int] | None) -> None:
     if spec.embedding.output_dtype in PACKED and dims and any(d % 8 for d in dims):
         raise JobError(f"embedding.dimensions: {next(d for d in dims if d % 8)} is not a multiple of 8, which "
                        f"output_dtype {spec.embedding.output_dtype} needs (8 dimensions to a byte)")
     ours = {*column_names(dims or [0]).values(), TEXT_HASH} if dims else {"embedding", TEXT_HASH}
+    ours |= {c for r, c in ((("sparse", SPARSE), ("multi_vector", MULTI_VECTOR))) if r in spec.embedding.outputs}
     clash = [c for c in [spec.input.id_column, *spec.input.carry_columns] if c in ours]
     if clash:
         key = "input.id_column" if clash[0] == spec.input.id_column else "input.carry_columns"
@@ -161,6 +197,8 @@ def _check_index(spec: JobSpec, dims: list[int]) -> None:
     ix = spec.output.index
     if ix is None:
         return
+    if not dims:
+        raise JobError("output.index: indexes the dense vectors, and embedding.outputs has no dense")
     if spec.output.format != "lance":
         raise JobError(f"output.index: needs output.format: lance (this job writes {spec.output.format}; "
                        "a Parquet output is indexed by whatever reads it, as docs/output.md shows)")
@@ -202,7 +240,21 @@ def _fingerprint(spec: JobSpec, model: ModelInfo, max_length: int, dims: list[in
                  **{k: v for k, v in (("text_sql", spec.input.text_sql), ("where", spec.input.where)) if v}},
         long_text="truncate" if spec.model.long_text == "truncate" else f"chunk:{spec.model.chunk_overlap}",
         output_format=spec.output.format,
+        representations=_representations(spec),
     )
+
+
+def _representations(spec: JobSpec) -> dict[str, Any]:
+    """What the fingerprint says of the outputs beyond dense (nothing for a dense-only job)."""
+    e = spec.embedding
+    if list(e.outputs) == ["dense"]:
+        return {}
+    d: dict[str, Any] = {"outputs": [r for r in REPRESENTATIONS if r in e.outputs]}
+    if "sparse" in e.outputs:
+        d["sparse"] = e.sparse.model_dump()
+    if "multi_vector" in e.outputs:
+        d["multi_vector"] = e.multi_vector.model_dump()
+    return d
 
 
 def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True, warn: bool = True) -> Prepared:
@@ -230,7 +282,8 @@ def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True
     max_length, dims = spec.model.max_length, spec.embedding.dimensions
     if model is not None:
         max_length = max_length or model.max_length
-        dims = dims or [model.dimension]
+        check(lambda: _check_outputs(spec, model))
+        dims = (dims or [model.dimension]) if "dense" in spec.embedding.outputs else []
         check(lambda: _check_model_fit(spec, model, max_length, dims, warnings))
         if spec.model.long_text == "chunk":  # the windows must leave room for text
             check(lambda: model_tokenizer(model.path, max_length, spec.model))

@@ -143,6 +143,12 @@ def open_previous(uri: str, storage_options: dict, fp, id_column: str | None, ou
         reasons.append(f"this job writes {fp.output_dtype}, whose ranges are each output's own calibration")
     elif job.get("output_dtype") == "float16" and fp.output_dtype == "float32":
         reasons.append("its vectors are float16 and this job writes float32")
+    theirs_reps = job.get("representations", {})
+    for r in [x for x in (fp.representations.get("outputs") or []) if x != "dense"]:
+        if r not in (theirs_reps.get("outputs") or ["dense"]):
+            reasons.append(f"it has no {r} column")
+        elif theirs_reps.get(r) != fp.representations.get(r):
+            reasons.append(f"its {r} settings differ ({theirs_reps.get(r)} there, {fp.representations.get(r)} now)")
     names = manifest.get("embedding", {}).get("columns", {})
     theirs = {int(d): c for d, c in names.items()}
     sources: dict[int, tuple[str, int]] = {}
@@ -245,13 +251,16 @@ class TaskIndex:
         reuse = found & text_valid & (self.hashes[pos_c] == hashes)
         return reuse, pos_c, int(found.sum())
 
-    def vectors(self, positions: np.ndarray, dimensions: list[int]) -> dict[int, np.ndarray]:
-        """Stored vectors, reduced to each of our dimensions, for the given index positions."""
-        out = {d: np.zeros((len(positions), d), np.float32) for d in dimensions}
+    def vectors(self, positions: np.ndarray, dimensions: list[int], outputs: tuple[str, ...] = ("dense",)) -> dict:
+        """Stored vectors, reduced to each of our dimensions, for the given index positions; and
+        the stored sparse and multi-vector values (Arrow arrays, in position order) of `outputs`."""
+        out: dict = {d: np.zeros((len(positions), d), np.float32) for d in dimensions}
+        extras = [r for r in outputs if r != "dense"]
         if not len(positions):
-            return out
+            return out | {r: None for r in extras}
         parts, rows = self.part_no[positions], self.rows[positions]
-        columns = sorted({self.prev.sources[d] for d in dimensions})
+        columns = sorted({self.prev.sources[d] for d in dimensions} | {(r, 0) for r in extras})
+        pieces: dict[str, list] = {r: [] for r in extras}  # (positions, values) per block
         for i in np.unique(parts):
             sel = np.flatnonzero(parts == i)
             part = self._reader(int(i))
@@ -265,6 +274,12 @@ class TaskIndex:
                     name, D = self.prev.sources[d]
                     v = cols[name][local]
                     out[d][in_g] = v if D == d else l2_normalise(v[:, :d])
+                for r in extras:
+                    pieces[r].append((in_g, cols[r].take(pa.array(local))))
+        for r in extras:  # back into position order
+            at = np.concatenate([i for i, _ in pieces[r]])
+            values = pa.concat_arrays([v for _, v in pieces[r]])
+            out[r] = values.take(pa.array(np.argsort(at, kind="stable")))
         return out
 
     def _reader(self, i: int):
@@ -279,7 +294,7 @@ class TaskIndex:
             return cached[1]
         table = retry(lambda: self._reader(i).read_block(g, [c for c, _ in columns]),
                       f"{self.prev.uri}/{self.part_names[i]}")
-        arrays = {c: vector_matrix(table.column(c)) for c, _ in columns}
+        arrays = {c: vector_matrix(table.column(c)) if D else table.column(c).combine_chunks() for c, D in columns}
         self._groups[i] = (g, arrays)  # one row group per part: rows come mostly in order
         return arrays
 

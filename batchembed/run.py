@@ -13,7 +13,7 @@ import time
 from . import __version__, calibration, fidelity, interrupts, scratch
 from .config import JobSpec
 from .embed.matryoshka import column_names
-from .embed.vectors import PACKED, SCALAR
+from .embed.vectors import MULTI_VECTOR, PACKED, SCALAR, SPARSE
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
 from .job import Prepared, index_column, prepare
@@ -219,6 +219,17 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     return stats
 
 
+def _representation_columns(p: Prepared) -> dict:
+    """The manifest's entries for the sparse and multi-vector columns a job writes."""
+    e, found = p.spec.embedding, {}
+    if "sparse" in p.outputs:
+        found["sparse"] = {"column": SPARSE, "vocab_size": p.model.vocab_size, **e.sparse.model_dump()}
+    if "multi_vector" in p.outputs:
+        found["multi_vector"] = {"column": MULTI_VECTOR, "dimension": p.model.multi_vector_dimension,
+                                 **e.multi_vector.model_dump()}
+    return found
+
+
 def _allowed_failed_rows(p: Prepared, rows: int) -> int:
     limit = p.spec.max_failed_rows
     return int(limit * rows) if 0 < limit < 1 else int(limit)
@@ -308,7 +319,8 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                   "text_prefix": spec.model.text_prefix, "long_text": spec.model.long_text,
                   "chunk_overlap": spec.model.chunk_overlap if spec.model.long_text == "chunk" else None,
                   "is_matryoshka": p.model.is_matryoshka},
-        "embedding": {"dimensions": p.dimensions, "columns": column_names(p.dimensions),
+        "embedding": {"outputs": list(p.outputs), **_representation_columns(p),
+                      "dimensions": p.dimensions, "columns": column_names(p.dimensions),
                       "output_dtype": spec.embedding.output_dtype, "normalised": "l2", "text_hash": TEXT_HASH,
                       "packed_bits": spec.embedding.output_dtype in PACKED,
                       "calibration": None if cal is None else {

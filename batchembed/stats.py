@@ -129,6 +129,9 @@ class Stats:
     empty: int = 0
     filtered: int = 0  # input rows input.where left out (not in the output)
     failed_rows: int = 0  # rows the engine failed alone: a null vector, and a line in _errors/
+    sparse_weights: int = 0  # non-zero weights written in the sparse column
+    sparse_pruned: int = 0  # weights embedding.sparse's top_k / min_weight dropped
+    multi_vectors: int = 0  # token vectors written in the multi-vector column
     tasks_run: int = 0
     tasks_skipped: int = 0
     rows_run: int = 0  # written by this run (the counts above include parts done before)

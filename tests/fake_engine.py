@@ -36,8 +36,11 @@ class FakeEngine:
         self.closed = False
         self.fail_marker = fail_marker
 
+    def pending(self, rows: int) -> Pending:
+        return Pending(rows, self.dimension)
+
     def submit(self, token_ids: list[list[int]]) -> Pending:
-        pending = Pending(len(token_ids), self.dimension)
+        pending = self.pending(len(token_ids))
         if token_ids:
             self.calls += 1
             self.queue += [(pending, i, ids) for i, ids in enumerate(token_ids)]

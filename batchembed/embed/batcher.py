@@ -93,30 +93,34 @@ def plan_rows(tok, rows: np.ndarray, token_budget: int, max_rows: int) -> RowPla
     return RowPlan([seqs[j] for j in order], order, len(rows), np.asarray(owner), lengths)
 
 
-def embed_isolating(engine, seqs: list[list[int]]) -> tuple[np.ndarray, dict[int, str]]:
-    """Vectors of `seqs`, waiting for them; where the engine fails a call (RequestFailure), its
-    sequences are embedded again in halves, and halves of halves, until each that fails alone is
-    found. Returns (float32 vectors, zeros where one failed; why each failed, by position). A
-    call with no such sequence costs nothing extra."""
-    vectors = np.zeros((len(seqs), engine.dimension), dtype=np.float32)
+def embed_isolating(engine, seqs: list[list[int]]):
+    """Results of `seqs`, waiting for them; where the engine fails a call (RequestFailure), its
+    sequences are submitted again in halves, and halves of halves, until each that fails alone is
+    found. Returns (an engine.Pending, done: a failed sequence holds an empty row; why each
+    failed, by position). A call with no such sequence costs nothing extra."""
+    out = engine.pending(len(seqs))
     bad: dict[int, str] = {}
     todo = [(0, len(seqs))] if seqs else []
     while todo:
         lo, hi = todo.pop()
         try:
-            vectors[lo:hi] = engine.embed(seqs[lo:hi])
+            part = engine.submit(seqs[lo:hi])
+            while not part.done:
+                engine.step()
+            out.take(part, lo)
         except RequestFailure as e:
             if hi - lo == 1:
                 bad[lo] = str(e)
+                out.put(lo, out.empty_row())
             else:
                 mid = (lo + hi) // 2
                 todo += [(mid, hi), (lo, mid)]
-    return vectors, bad
+    return out, bad
 
 
 def embed_rows(engine, tok, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Vectors for rows `rows` of a Tokenized, waiting for them: float32 (len(rows), dimension),
-    and which rows have one (a row the engine fails alone has none)."""
+    """Dense vectors for rows `rows` of a Tokenized, waiting for them: float32 (len(rows),
+    dimension), and which rows have one (a row the engine fails alone has none)."""
     plan = plan_rows(tok, rows, engine.token_budget, engine.max_batch_rows)
-    vectors, bad = embed_isolating(engine, plan.seqs)
-    return plan.vectors(vectors), ~plan.failed_rows(bad)
+    pending, bad = embed_isolating(engine, plan.seqs)
+    return plan.vectors(pending.matrix()), ~plan.failed_rows(bad)

@@ -76,3 +76,94 @@ def comparable(col: pa.Array | pa.ChunkedArray, dtype: str, ranges: np.ndarray |
         packed = (m + 128 if dtype == "binary" else m).astype(np.uint8)
         return np.unpackbits(packed, axis=1).astype(np.float32) * 2 - 1
     return m
+
+
+# --- sparse and multi-vector columns ---------------------------------------------------------
+
+SPARSE = "sparse"  # the sparse column's name: vocabulary ids and their weights
+MULTI_VECTOR = "multi_vector"  # the multi-vector column's name: one vector per kept token
+SPARSE_TYPE = pa.struct([pa.field("indices", pa.list_(pa.int32())), pa.field("values", pa.list_(pa.float32()))])
+MULTI_DTYPES = {"float32": pa.float32(), "float16": pa.float16(), "int8": pa.int8()}
+
+
+def multi_vector_type(dim: int, dtype: str) -> pa.DataType:
+    return pa.list_(pa.list_(MULTI_DTYPES[dtype], dim))
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+
+
+def prune(indices: np.ndarray, values: np.ndarray, top_k: int | None, min_weight: float
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse row less its weights below `min_weight` and beyond its `top_k` largest (ties: the
+    lower id kept); ids stay ascending."""
+    keep = values >= min_weight if min_weight > 0 else np.ones(len(values), bool)
+    if top_k is not None and int(keep.sum()) > top_k:
+        cand = np.flatnonzero(keep)
+        order = np.lexsort((indices[cand], -values[cand]))[:top_k]
+        keep = np.zeros(len(values), bool)
+        keep[cand[order]] = True
+    return indices[keep], values[keep]
+
+
+def sparse_array(rows: list, valid: np.ndarray | None = None) -> pa.StructArray:
+    """A sparse column from (ids, weights) per row; None (or `valid` False) rows are null."""
+    n = len(rows)
+    null = np.array([r is None for r in rows], bool) if valid is None else ~valid | np.array([r is None for r in rows],
+                                                                                              bool)
+    lengths = [0 if null[i] else len(rows[i][0]) for i in range(n)]
+    present = [r for i, r in enumerate(rows) if not null[i]]
+    ids = np.concatenate([r[0] for r in present]).astype(np.int32) if present else np.zeros(0, np.int32)
+    ws = np.concatenate([r[1] for r in present]).astype(np.float32) if present else np.zeros(0, np.float32)
+    offsets = pa.array(_offsets(lengths))
+    mask = pa.array(null) if null.any() else None
+    return pa.StructArray.from_arrays([pa.ListArray.from_arrays(offsets, pa.array(ids)),
+                                       pa.ListArray.from_arrays(offsets, pa.array(ws))],
+                                      fields=list(SPARSE_TYPE), mask=mask)
+
+
+def multi_vector_array(rows: list, dim: int, dtype: str, valid: np.ndarray | None = None) -> pa.ListArray:
+    """A multi-vector column from a (vectors, dim) float matrix per row; None (or `valid` False)
+    rows are null. int8: round(127 x value) of the unit vectors."""
+    n = len(rows)
+    null = np.array([r is None for r in rows], bool)
+    if valid is not None:
+        null |= ~valid
+    lengths = [0 if null[i] else len(rows[i]) for i in range(n)]
+    present = [rows[i] for i in range(n) if not null[i] and len(rows[i])]
+    flat = np.concatenate(present).reshape(-1) if present else np.zeros(0, np.float32)
+    if dtype == "int8":
+        flat = np.clip(np.rint(flat * 127), -127, 127).astype(np.int8)
+    else:
+        flat = flat.astype(np.float16 if dtype == "float16" else np.float32, copy=False)
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(flat), dim)
+    return pa.ListArray.from_arrays(pa.array(_offsets(lengths)), inner,
+                                    mask=pa.array(null) if null.any() else None)
+
+
+def sparse_rows(col: pa.Array | pa.ChunkedArray) -> list:
+    """(int32 ids, float32 weights) per row of a sparse column; None for a null row."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    ids, ws = col.field("indices"), col.field("values")
+    id_off, w_off = ids.offsets.to_numpy(), ws.offsets.to_numpy()
+    id_vals = ids.values.to_numpy(zero_copy_only=False)
+    w_vals = ws.values.to_numpy(zero_copy_only=False)
+    nulls = col.is_null().to_numpy(zero_copy_only=False)
+    return [None if nulls[i] else (id_vals[id_off[i]:id_off[i + 1]], w_vals[w_off[i]:w_off[i + 1]])
+            for i in range(len(col))]
+
+
+def multi_vector_rows(col: pa.Array | pa.ChunkedArray) -> list:
+    """A float32 (vectors, d) matrix per row of a multi-vector column (int8 read back as
+    value / 127); None for a null row."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    inner = col.values
+    dim = inner.type.list_size
+    flat = inner.values.to_numpy(zero_copy_only=False).astype(np.float32)
+    if pa.types.is_int8(inner.type.value_type):
+        flat = flat / 127
+    flat = flat[inner.offset * dim:] if inner.offset else flat
+    off = col.offsets.to_numpy()
+    nulls = col.is_null().to_numpy(zero_copy_only=False)
+    return [None if nulls[i] else flat[off[i] * dim:off[i + 1] * dim].reshape(-1, dim) for i in range(len(col))]

@@ -40,7 +40,7 @@ def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None,
     try:
         with lock if lock is not None else contextlib.nullcontext():
             engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas,
-                            cpu_wait=reference.result if reference is not None else None)
+                            cpu_wait=reference.result if reference is not None else None, outputs=p.outputs)
         try:
             fidelity.ensure(p, engine, reference)
         except BaseException:

@@ -14,7 +14,7 @@ import numpy as np
 
 # counted per part (commit records) and per run (Stats)
 COUNTS = ("rows", "embedded", "reused", "deduplicated", "matched", "tokens", "truncated", "chunked", "nulls",
-          "empty", "filtered", "failed_rows")
+          "empty", "filtered", "failed_rows", "sparse_weights", "sparse_pruned", "multi_vectors")
 TOTALS = tuple(k for k in COUNTS if k != "matched")  # added up over parts (matched only feeds `deleted`)
 HISTOGRAM_BINS = 32  # token lengths of the embedded rows, per part and in the manifest
 

@@ -28,7 +28,7 @@ class Window:
     hashes: np.ndarray  # uint64 text hash per row
     valid: np.ndarray  # bool per row: text not null
     reuse: np.ndarray  # rows whose vectors come from the previous output
-    reused: dict[int, np.ndarray]  # dimension -> (len(reuse), d) vectors
+    reused: dict  # dimension -> (len(reuse), d) vectors; "sparse" / "multi_vector" -> their stored column
     need: np.ndarray  # rows to embed (valid, not reused)
     inverse: np.ndarray  # per need row: its unique text
     uniq: np.ndarray  # text hashes of the unique texts
@@ -38,6 +38,7 @@ class Window:
     filtered: int = 0  # rows input.where dropped before this window
     chunked: int = 0  # rows embedded as several windows (long_text: chunk)
     full: np.ndarray | None = None  # (len(uniq), model dimension), set by the engine stage
+    extra: dict = field(default_factory=dict)  # "sparse" / "multi_vector" -> a value per unique text
     embedded: int = 0  # unique texts the engine embedded (the rest came from the cache)
     tokens: int = 0
     # while on the engine: which unique texts it embeds, how, and their vectors as they come

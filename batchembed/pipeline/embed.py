@@ -22,7 +22,6 @@ import numpy as np
 import pyarrow as pa
 
 from ..embed.batcher import embed_isolating, plan_rows
-from ..embed.engine import Pending
 from ..errors import EngineFailure, RequestFailure
 from .base import END, Window, get, put
 
@@ -52,8 +51,13 @@ class EmbedStage:
         self.p, self.engine_source, self.replace_engine = p, engine_source, replace_engine
         self.engine = None
         # what one cached vector costs: its float32 values and CACHE_ENTRY_OVERHEAD
+        self.width = p.model.dimension if "dense" in p.outputs else 0  # of a dense vector, 0: none written
+        self.extras = [r for r in p.outputs if r != "dense"]
         self.cache_rows = p.spec.engine.dedup_cache_mb * 2**20 // (4 * p.model.dimension + CACHE_ENTRY_OVERHEAD)
-        self.cache: OrderedDict[int, np.ndarray] | None = OrderedDict() if self.cache_rows else None
+        # sparse and multi-vector rows are of any size: texts seen in earlier windows are embedded
+        # again (a window's identical texts still once)
+        self.cache: OrderedDict[int, np.ndarray] | None = \
+            OrderedDict() if self.cache_rows and not self.extras else None
         self.engine_seconds = 0.0
         self.input_wait_seconds = 0.0  # waiting for a tokenised window
         self.output_wait_seconds = 0.0  # ... and for room in the writer's queue
@@ -81,7 +85,8 @@ class EmbedStage:
         """Vectors for the window's unique texts from the cache of recent ones (or from a window
         still on the engine that has the same text); the rest are queued on the engine, in
         token-budget batch order, and come back in `_finish_window`."""
-        w.full = np.empty((len(w.uniq), self.p.model.dimension), dtype=np.float32)
+        w.full = np.empty((len(w.uniq), self.width), dtype=np.float32)
+        w.extra = {r: [None] * len(w.uniq) for r in self.extras}
         cache, coming = self.cache, self._coming
         todo, w.borrowed = [], []
         for i, h in enumerate(w.uniq.tolist()):
@@ -155,8 +160,7 @@ class EmbedStage:
         alone is found; the rest get their vectors. A window with no such sequence costs one call."""
         log.warning("engine: %s; finding the rows that fail by bisection", failure)
         for w in self._on_engine:
-            vectors, bad = embed_isolating(self.engine, w.plan.seqs)
-            w.pending = Pending.filled(vectors)
+            w.pending, bad = embed_isolating(self.engine, w.plan.seqs)
             for k, reason in bad.items():  # a chunked row fails with any of its chunks
                 w.failed[int(w.todo[w.plan.row_of(k)])] = reason
             if bad:
@@ -168,6 +172,10 @@ class EmbedStage:
         window borrowed from has finished before the one borrowing."""
         if w.pending is not None:
             w.full[w.todo] = w.plan.vectors(w.pending.matrix())
+            for r, values in w.pending.extras().items():  # submission order, as the matrix's rows
+                row = w.extra[r]
+                for k, j in enumerate(w.plan.order.tolist()):
+                    row[int(w.todo[j])] = values[k]
         for i, src, j in w.borrowed:
             w.full[i] = src.full[j]
             if j in src.failed:

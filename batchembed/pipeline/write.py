@@ -13,7 +13,15 @@ import pyarrow as pa
 
 from .. import calibration
 from ..embed.matryoshka import reduce
-from ..embed.vectors import SCALAR, vector_array
+from ..embed.vectors import (
+    SCALAR,
+    multi_vector_array,
+    multi_vector_rows,
+    prune,
+    sparse_array,
+    sparse_rows,
+    vector_array,
+)
 from ..errors import RunError
 from ..output.records import COUNTS, HISTOGRAM_BINS, commit_record, empty_counts, histogram_bin_width
 from .base import END, FAILED, get
@@ -43,6 +51,7 @@ class WriteStage:
         self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
         self.job = p.fingerprint.with_digest()
         self.schema = p.output_schema
+        self.extras = [r for r in p.outputs if r != "dense"]
 
     def run(self, q_out: queue.Queue, stop, progress: Callable[[dict], None], records: dict[str, dict],
             failed: list[dict]) -> None:
@@ -99,6 +108,9 @@ class WriteStage:
                 matrix[w.reuse] = w.reused[d]
             arrays.append(vector_array(matrix, valid, p.spec.embedding.output_dtype,
                                        self.calibration.ranges[d] if self.calibration else None))
+        extra_counts = dict.fromkeys(("sparse_weights", "sparse_pruned", "multi_vectors"), 0)
+        for r in self.extras:
+            arrays.append(self._extra_column(r, w, batch.num_rows, valid, extra_counts))
         # by name, then cast by the writer: a carried column may be large_string in one file
         # and string in another
         part.writer.write(pa.Table.from_arrays(arrays, names=self.schema.names))
@@ -106,13 +118,37 @@ class WriteStage:
                     deduplicated=len(w.need) - w.embedded, matched=w.matched, tokens=w.tokens,
                     truncated=int(w.tok.truncated[w.inverse].sum()), nulls=int((~w.valid).sum()),
                     chunked=w.chunked, empty=w.empty, filtered=w.filtered,
-                    failed_rows=int((w.valid & ~valid).sum()))
+                    failed_rows=int((w.valid & ~valid).sum()), **extra_counts)
         for k in COUNTS:
             part.counts[k] += step[k]
         if len(w.inverse):
             part.histogram += np.bincount(np.minimum(w.tok.lengths[w.inverse] // self.width, HISTOGRAM_BINS - 1),
                                           minlength=HISTOGRAM_BINS)
         return step
+
+    def _extra_column(self, r: str, w, num_rows: int, valid: np.ndarray, counts: dict) -> pa.Array:
+        """The window's sparse or multi-vector column: embedded rows from the engine stage, reused
+        rows from the previous output; sparse weights pruned as embedding.sparse says."""
+        e = self.p.spec.embedding
+        rows: list = [None] * num_rows
+        for row, u in zip(w.need.tolist(), w.inverse.tolist()):
+            rows[row] = w.extra[r][u]
+        if len(w.reuse):
+            stored = sparse_rows(w.reused[r]) if r == "sparse" else multi_vector_rows(w.reused[r])
+            for row, value in zip(w.reuse.tolist(), stored):
+                rows[row] = value
+        if r == "sparse":
+            for i in np.flatnonzero(valid).tolist():
+                if rows[i] is None:
+                    continue
+                before = len(rows[i][0])
+                if e.sparse.top_k is not None or e.sparse.min_weight > 0:
+                    rows[i] = prune(*rows[i], e.sparse.top_k, e.sparse.min_weight)
+                counts["sparse_weights"] += len(rows[i][0])
+                counts["sparse_pruned"] += before - len(rows[i][0])
+            return sparse_array(rows, valid)
+        counts["multi_vectors"] += sum(len(rows[i]) for i in np.flatnonzero(valid).tolist() if rows[i] is not None)
+        return multi_vector_array(rows, self.p.model.multi_vector_dimension, e.multi_vector.dtype, valid)
 
     def _commit(self, part: _Part) -> tuple[str, dict]:
         task, counts = part.task, part.counts

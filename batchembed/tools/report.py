@@ -146,8 +146,23 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
         sections.append(("Engine throughput over the last run", "<p>The last run embedded nothing (or did not record it).</p>"))
 
     columns = {int(d): c for d, c in emb["columns"].items()}
-    full_d = max(columns)
-    if emb["output_dtype"] in ("float32", "float16"):
+    full_d = max(columns, default=0)
+    written = counts.get("rows", 0) - counts.get("nulls", 0) - counts.get("failed_rows", 0)
+    if emb.get("sparse"):
+        sections.append(("Sparse weights", f"<p>{counts.get('sparse_weights', 0):,} non-zero weights in "
+                         f"{emb['sparse']['column']}, {counts.get('sparse_weights', 0) / max(written, 1):,.1f} per "
+                         f"row; {counts.get('sparse_pruned', 0):,} pruned (top_k {emb['sparse'].get('top_k')}, "
+                         f"min_weight {emb['sparse'].get('min_weight')}).</p>"))
+    if emb.get("multi_vector"):
+        mv = emb["multi_vector"]
+        per_row = counts.get("multi_vectors", 0) / max(written, 1)
+        width = {"float32": 4, "float16": 2, "int8": 1}[mv["dtype"]] * mv["dimension"]
+        sections.append(("Multi-vectors", f"<p>{counts.get('multi_vectors', 0):,} token vectors of "
+                         f"{mv['dimension']} in {mv['column']}, {per_row:,.1f} per row: about "
+                         f"{per_row * width:,.0f} bytes a row as {mv['dtype']}.</p>"))
+    if not columns:
+        pass  # no dense vectors: no Matryoshka section
+    elif emb["output_dtype"] in ("float32", "float16"):
         vectors = sample_vectors(out, columns[full_d], sample_rows)
         dims = sorted({d for d in columns} | {2 ** i for i in range(4, 16) if 2 ** i < full_d})
         recall = matryoshka_recall(vectors, dims) if len(vectors) > 11 else {}

@@ -10,7 +10,16 @@ import pyarrow as pa
 
 from .. import fidelity
 from ..embed.matryoshka import l2_normalise
-from ..embed.vectors import PACKED, SCALAR, comparable, vector_array, vector_matrix
+from ..embed.vectors import (
+    PACKED,
+    SCALAR,
+    SPARSE_TYPE,
+    comparable,
+    multi_vector_rows,
+    sparse_rows,
+    vector_array,
+    vector_matrix,
+)
 from ..errors import JobError
 from ..inputs.rows import select_rows
 from ..output.layout import MANIFEST, SUCCESS, OutputFolder
@@ -44,6 +53,7 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
     quantized = packed or manifest["embedding"]["output_dtype"] in SCALAR  # no norm to check
     tol = 1e-2 if manifest["embedding"]["output_dtype"] == "float16" else 1e-3
     listed = {p["name"]: p for p in manifest["parts"]}
+    extras = {r: manifest["embedding"][r] for r in ("sparse", "multi_vector") if manifest["embedding"].get(r)}
     present = set(out.part_names())
     for extra in sorted(present - set(listed)):
         problems.append(f"{extra}: a part the manifest does not list")
@@ -84,6 +94,20 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
                     m = vector_matrix(arr)
                     worst = max(worst, float(np.abs(np.linalg.norm(m, axis=1) - 1).max()))
                     vectors += len(arr)
+            for r, spec in extras.items():
+                if spec["column"] not in part.schema.names:
+                    found.append(f"{url}: column {spec['column']} ({r}) is missing")
+                    continue
+                counted = 0
+                for batch in part.iter_batches(columns=[spec["column"]]):
+                    problem, n, off = check_representation(r, spec, batch.column(0))
+                    if problem:
+                        found.append(f"{url}: column {spec['column']}: {problem}")
+                        break
+                    counted, worst = counted + n, max(worst, off)
+                key = "sparse_weights" if r == "sparse" else "multi_vectors"
+                if key in entry.get("counts", {}) and entry["counts"][key] != counted:
+                    found.append(f"{url}: {counted} {key.replace('_', ' ')}, the manifest says {entry['counts'][key]}")
             return found, part.num_rows, vectors, worst
 
     results = concurrently(check, todo, threads)
@@ -208,6 +232,38 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
             problems.append(f"{col}: {len(low)} of {len(keep)} sampled rows are below {what} against "
                             f"sentence-transformers: {named}")
     return problems, summary
+
+
+def check_representation(r: str, spec: dict, col) -> tuple[str | None, int, float]:
+    """One batch of a sparse or multi-vector column: (its first problem or None, the weights or
+    vectors it holds, the largest |norm - 1| of its token vectors)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if r == "sparse":
+        if col.type != SPARSE_TYPE:
+            return f"is {col.type}, expected {SPARSE_TYPE}", 0, 0.0
+        n = 0
+        for row in sparse_rows(col):
+            if row is None:
+                continue
+            ids, ws = row
+            if len(ids) != len(ws):
+                return "a row has as many ids as weights", 0, 0.0
+            if len(ids) and (np.any(np.diff(ids) <= 0) or ids[0] < 0
+                             or (spec.get("vocab_size") and ids[-1] >= spec["vocab_size"])):
+                return "a row's ids are not ascending vocabulary ids", 0, 0.0
+            if len(ws) and not (np.all(np.isfinite(ws)) and ws.min() > 0):
+                return "a row holds a weight that is not a positive number", 0, 0.0
+            n += len(ids)
+        return None, n, 0.0
+    inner = getattr(col.type, "value_type", None)
+    if getattr(inner, "list_size", None) != spec["dimension"]:
+        return f"is {col.type}, expected lists of {spec['dimension']}-value vectors", 0, 0.0
+    rows = [m for m in multi_vector_rows(col) if m is not None and len(m)]
+    if not rows:
+        return None, 0, 0.0
+    m = np.concatenate(rows)
+    off = 0.0 if spec.get("dtype") == "int8" else float(np.abs(np.linalg.norm(m, axis=1) - 1).max())
+    return None, len(m), off
 
 
 def sign_cosine(cosine: float) -> float:
