@@ -30,6 +30,10 @@ from .storage import RetryPolicy
 
 log = logging.getLogger(__name__)
 
+# the most bytes a window's multi-vectors take at max_length (Prepared.window_rows)
+MULTI_VECTOR_WINDOW_BYTES = 128 * 2**20
+
+
 @dataclass(frozen=True)
 class JobFingerprint:
     """Everything that changes the vectors. Outputs made under different ones never mix."""
@@ -103,6 +107,17 @@ class Prepared:
     def outputs(self) -> tuple[str, ...]:
         """The representations the job writes, in the order of REPRESENTATIONS."""
         return tuple(r for r in REPRESENTATIONS if r in self.spec.embedding.outputs)
+
+    @property
+    def window_rows(self) -> int:
+        """Rows read, tokenised and length-sorted together: engine.sort_window_rows, fewer where a
+        window's multi-vectors at max_length would pass MULTI_VECTOR_WINDOW_BYTES (about eight
+        windows are alive at once: queued, on the engine, and waiting for the writer)."""
+        rows = self.spec.engine.sort_window_rows
+        if "multi_vector" in self.outputs:
+            row_bytes = self.max_length * (self.model.multi_vector_dimension or 1) * 4
+            rows = min(rows, max(16, MULTI_VECTOR_WINDOW_BYTES // row_bytes))
+        return rows
 
     def tokenizer(self) -> Tokenizer:
         return model_tokenizer(self.model.path, self.max_length, self.spec.model, document_marker(self.model))

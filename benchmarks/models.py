@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
@@ -88,7 +89,7 @@ def _make_family(folder: Path, name: str, tiny: bool) -> Path:
     try:
         if name == "splade":
             from sentence_transformers import SparseEncoder
-            from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+            from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
             from transformers import BertForMaskedLM
 
             BertForMaskedLM(_bert_config(tiny)).save_pretrained(base)
@@ -96,18 +97,14 @@ def _make_family(folder: Path, name: str, tiny: bool) -> Path:
             SparseEncoder(modules=[MLMTransformer(str(base), max_seq_length=512), SpladePooling("max")],
                           device="cpu").save(str(tmp))
         elif name == "colbert":
-            from pylate.models import ColBERT, Dense
-            from sentence_transformers.models import Transformer
             from transformers import BertModel
 
-            cfg = _bert_config(tiny)
-            BertModel(cfg).save_pretrained(base)
+            BertModel(_bert_config(tiny)).save_pretrained(base)
             _copy_tokenizer(base)
-            # modules given, as PyLate saves them: from a bare encoder folder PyLate would convert the
-            # mean pooling sentence-transformers adds to it
-            modules = [Transformer(str(base), max_seq_length=512),
-                       Dense(in_features=cfg.hidden_size, out_features=16 if tiny else 128, bias=False)]
-            ColBERT(modules=modules, document_length=180, device="cpu").save(str(tmp))
+            # PyLate pins an older sentence-transformers: it runs in a venv of its own
+            # (scripts/setup_references.sh), and saves its ColBERT there
+            subprocess.run([str(pylate_python()), str(Path(__file__).parent.parent / "tests" / "pylate_reference.py"),
+                            "build", str(base), str(tmp), "16" if tiny else "128"], check=True)
         elif name == "bge-m3":
             from transformers import XLMRobertaConfig, XLMRobertaModel
 
@@ -121,12 +118,24 @@ def _make_family(folder: Path, name: str, tiny: bool) -> Path:
             _copy_tokenizer(tmp)
             h = cfg.hidden_size
             torch.save(torch.nn.Linear(h, h).state_dict(), tmp / "colbert_linear.pt")
-            torch.save(torch.nn.Linear(h, 1).state_dict(), tmp / "sparse_linear.pt")
+            sparse = torch.nn.Linear(h, 1)
+            torch.nn.init.constant_(sparse.bias, 0.05)  # a share of the tokens get a weight, as a trained head's
+            torch.save(sparse.state_dict(), tmp / "sparse_linear.pt")
         tmp.rename(folder)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def pylate_python() -> Path:
+    """The Python of the PyLate venv (BATCHEMBED_PYLATE_PYTHON, else .venv-pylate)."""
+    import os
+
+    path = Path(os.environ.get("BATCHEMBED_PYLATE_PYTHON", Path(__file__).parent.parent / ".venv-pylate/bin/python"))
+    if not path.exists():
+        raise SystemExit(f"no PyLate at {path}: scripts/setup_references.sh makes .venv-pylate")
+    return path
 
 
 def _copy_tokenizer(folder: Path) -> None:

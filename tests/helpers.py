@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,3 +116,14 @@ def tiny_decoder(folder: Path) -> Path:
             shutil.copy(tokenizer / name, folder)
     return folder
 
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def docs_example(name: str) -> str:
+    """The Python snippet marked `<!-- docs-test: NAME -->` on a page of docs/, as a user copies it."""
+    for page in sorted(DOCS.rglob("*.md")):
+        m = re.search(rf"<!-- docs-test: {name} -->\n```python\n(.*?)```", page.read_text(), re.S)
+        if m:
+            return m.group(1)
+    raise AssertionError(f"no page of docs/ has an example marked docs-test: {name}")

@@ -1,6 +1,6 @@
 """PyLate's ColBERT, run in its own virtual environment (PyLate pins a sentence-transformers
-older than the one the tests use): `python pylate_reference.py build BASE OUT` saves a random
-PyLate ColBERT made from the BERT folder BASE; `python pylate_reference.py encode MODEL TEXTS.json
+older than the one the tests use): `python pylate_reference.py build BASE OUT SIZE` saves a random
+PyLate ColBERT made from the BERT folder BASE, projecting to SIZE; `python pylate_reference.py encode MODEL TEXTS.json
 OUT.npz` writes the document vectors PyLate computes for each text (arrays r0, r1, ...)."""
 
 import json
@@ -15,8 +15,8 @@ def main(argv: list[str]) -> int:
 
     torch.manual_seed(0)
     if argv[0] == "build":
-        base, out = argv[1], argv[2]
-        ColBERT(base, embedding_size=16, document_length=180, device="cpu").save(out)
+        base, out, size = argv[1], argv[2], int(argv[3])
+        ColBERT(base, embedding_size=size, document_length=180, device="cpu").save(out)
         return 0
     model, texts, out = argv[1], json.load(open(argv[2])), argv[3]
     vectors = ColBERT(model, device="cpu").encode(texts, is_query=False, batch_size=8)

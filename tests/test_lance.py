@@ -256,7 +256,7 @@ def test_lance_on_s3_killed_then_run_twice_at_once_gives_every_row_once_with_its
 
 
 def test_the_docs_searches_a_lance_output_with_lance_and_lancedb(tmp_path, fake):
-    from test_reading import docs_example
+    from helpers import docs_example
 
     _corpus(tmp_path, files=1, rows=300)
     run_job(_job(tmp_path, "emb.lance", output={"index": {"type": "ivf_hnsw_sq"}}), engine=fake, show_progress=False)

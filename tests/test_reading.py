@@ -4,30 +4,18 @@ dataset pyarrow reads as it is, and outputs of the older layout (manifest.json) 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fake_engine import FakeEngine
-from helpers import make_job, write_parquet
+from helpers import docs_example, make_job, write_parquet
 
 from batchembed.run import run_job
 from batchembed.tools.verify import verify_output
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 ROWS = 60
-
-
-def docs_example(name: str) -> str:
-    """The Python snippet marked `<!-- docs-test: NAME -->` on a page of docs/, as a user copies it."""
-    for page in sorted(DOCS.rglob("*.md")):
-        m = re.search(rf"<!-- docs-test: {name} -->\n```python\n(.*?)```", page.read_text(), re.S)
-        if m:
-            return m.group(1)
-    raise AssertionError(f"no page of docs/ has an example marked docs-test: {name}")
 
 
 @pytest.fixture(scope="module")

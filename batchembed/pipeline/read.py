@@ -62,7 +62,7 @@ class ReadStage:
             index = None
             try:
                 index = TaskIndex(prev, task) if prev is not None else None
-                for batch in p.iter_batches(task, p.spec.engine.sort_window_rows):
+                for batch in p.iter_batches(task, p.window_rows):
                     self._pace(q_in, stop)
                     batch, texts, dropped = select_rows(p.spec.input, batch)
                     window = self.plan(batch, texts, index)
