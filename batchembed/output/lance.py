@@ -31,7 +31,7 @@ import pyarrow as pa
 os.environ.setdefault("LANCE_LOG", "error")  # Lance's own log: its warnings are for its developers
 import lance  # noqa: E402 - pylance; the registry (output/__init__.py) gives its install hint when missing
 from lance.file import LanceFileWriter  # noqa: E402
-from lance.fragment import LanceFragment  # noqa: E402
+from lance.fragment import DataFile, LanceFragment  # noqa: E402
 
 try:
     from lance.commit import CommitConflictError as _CONFLICT  # noqa: E402
@@ -237,7 +237,7 @@ class LanceOutput:
             elif old != seen:  # another run published this part since: it is there, once
                 self._drop_file(folder, file)
                 return
-            frag = LanceFragment.create_from_file(file, ds, 0)
+            frag = _leaf_fields(LanceFragment.create_from_file(file, ds, 0), writer.schema)
             if old:
                 op = lance.LanceOperation.Update(removed_fragment_ids=old, new_fragments=[frag])
             else:
@@ -358,3 +358,39 @@ class LanceOutput:
             return ds.stats.index_stats(name).get("num_unindexed_rows", 1) == 0
         except Exception:  # noqa: BLE001 - no such index
             return False
+
+
+def _leaf_ids(schema: pa.Schema) -> list[int]:
+    """Lance's field ids of the columns a data file stores: ids go depth first over the fields (a
+    list's item and a struct's children have ids of their own); a column is stored per leaf (a
+    fixed-size list, a vector, is one)."""
+    ids: list[int] = []
+    counter = iter(range(1 << 30))
+
+    def visit(t: pa.DataType) -> None:
+        i = next(counter)
+        if pa.types.is_struct(t):
+            for k in range(t.num_fields):
+                visit(t.field(k).type)
+        elif pa.types.is_list(t) or pa.types.is_large_list(t):
+            visit(t.value_type)
+        else:
+            ids.append(i)
+
+    for f in schema:
+        visit(f.type)
+    return ids
+
+
+def _leaf_fields(frag, schema: pa.Schema):
+    """A fragment made by LanceFragment.create_from_file names every field id of its file, nested
+    ones included, where Lance wants those of the stored columns (its commit refuses a file whose
+    ids and columns differ in number: a sparse or multi-vector column)."""
+    files = []
+    for f in frag.files:
+        if len(f.fields) != len(f.column_indices):
+            f = DataFile(f.path, _leaf_ids(schema), list(f.column_indices), f.file_major_version,
+                         f.file_minor_version, f.file_size_bytes)
+        files.append(f)
+    frag.files = files
+    return frag
