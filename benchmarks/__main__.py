@@ -13,6 +13,7 @@ CASES = {  # name -> module in benchmarks/cases/
     "reindex": "a full run, the same corpus again, then 1 % of rows edited, each with --previous",
     "lance": "the output stage as Parquet and as Lance, and index builds",
     "tokenize": "the host's tokenising cost per row: whole texts against the cut before the limit",
+    "representations": "dense, sparse and multi-vector in one run against one run each (BGE-M3 shape)",
     "gpu": "the GPU suite: start-up, and bge-base, MiniLM and Qwen3 shapes as written and as tuned",
 }
 

@@ -190,6 +190,12 @@ def test_bge_m3_all_three_from_one_pass_equal_flagembedding(tmp_path, models):
     page = (tmp_path / "report.html").read_text()
     assert "Multi-vectors" in page and "Sparse weights" in page
 
+    dense_only = tmp_path / "dense"  # the model's heads give its dense vector alone the same
+    cli("run", job(tmp_path / "in", models["bge-m3"], dense_only, ["dense"]), "--no-progress")
+    d = read(dense_only)
+    assert set(d.schema.names) == {"id", "text_hash", "embedding"}
+    assert d.column("embedding").equals(t.column("embedding"))
+
     for name in ("sparse-search", "maxsim", "qdrant"):
         ns = {"OUTPUT": str(out)}
         exec(docs_example(name), ns)  # noqa: S102 - the docs' snippet, as a user runs it

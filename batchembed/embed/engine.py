@@ -392,7 +392,8 @@ class Engine:
 
     def pending(self, rows: int) -> "Pending":
         """An empty result for `rows` sequences, of this engine's representations."""
-        return Pending(rows, self.dimension if "dense" in self.outputs else 0, self.outputs, self.multi_dimension)
+        return Pending(rows, self.dimension if "dense" in self.outputs else 0, self.outputs, self.multi_dimension,
+                       reps=self.heads is not None)
 
     def _queued(self) -> str:
         """What is queued, for a stall's message: how many sequences, their lengths, and how many
@@ -519,9 +520,10 @@ class Pending:
     dense vector per row, or (`outputs` beyond dense) a heads.Reps per row."""
 
     def __init__(self, rows: int, dimension: int, outputs: tuple[str, ...] = ("dense",),
-                 multi_dimension: int | None = None):
+                 multi_dimension: int | None = None, reps: bool = False):
         self.rows, self.dimension, self.left = rows, dimension, rows
         self.outputs, self.multi_dimension = tuple(outputs), multi_dimension
+        self.reps = reps  # rows are heads.Reps (the model's heads run here), not vectors
         self._parts: list = [None] * rows
 
     @classmethod
@@ -531,11 +533,6 @@ class Pending:
         for i, row in enumerate(matrix):
             pending.put(i, row)
         return pending
-
-    @property
-    def reps(self) -> bool:
-        """Whether rows are heads.Reps (the job writes more than dense vectors)."""
-        return self.outputs != ("dense",)
 
     def empty_row(self):
         """What a row the engine failed holds."""

@@ -20,6 +20,7 @@ device when the engine is in this process's view (a GPU), else on the CPU.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -309,9 +310,12 @@ def encoder_folder(model: ModelInfo, content_hash: str) -> Path:
     for a SPLADE model (a BertForMaskedLM checkpoint, whose `bert.` weights vLLM's BERT does not
     read and whose tied decoder vLLM's SPLADE model cannot load) with its encoder weights renamed.
     Everything else is linked."""
-    folder = _ENCODERS / content_hash.replace(":", "-")
-    if (folder / "config.json").is_file():
+    # per folder and content: the view links to the folder's files
+    key = hashlib.sha256(f"{model.path.resolve()}|{content_hash}".encode()).hexdigest()[:32]
+    folder = _ENCODERS / key
+    if (folder / "config.json").is_file() and all(f.exists() for f in folder.iterdir()):
         return folder
+    shutil.rmtree(folder, ignore_errors=True)  # a link to a file since removed
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..embed.vectors import vector_matrix
+from ..embed.vectors import multi_vector_rows, sparse_rows, vector_matrix
 from ..errors import JobError
-from ..fidelity import cosines
+from ..fidelity import compare_reps, cosines
 from .read import read_output
 
 
@@ -45,7 +45,8 @@ def compare_outputs(a_uri: str, b_uri: str, min_cosine: float = 0.999,
                     "min_cosine_allowed": min_cosine, "columns": {}}
     ok = result["only_in_a"] == 0 and result["only_in_b"] == 0
     shared = sorted(set(ma["embedding"]["columns"].values()) & set(mb["embedding"]["columns"].values()))
-    if not shared:
+    reps = [r for r in ("sparse", "multi_vector") if ma["embedding"].get(r) and mb["embedding"].get(r)]
+    if not shared and not reps:
         raise JobError(f"{a_uri} and {b_uri} share no vector column: {ma['embedding']['columns']} against "
                        f"{mb['embedding']['columns']}")
     for column in shared:
@@ -58,6 +59,22 @@ def compare_outputs(a_uri: str, b_uri: str, min_cosine: float = 0.999,
              "mean_cosine": float(cos.mean()) if cos.size else None, "below": int((cos < min_cosine).sum()),
              "max_abs_diff": float(np.abs(va[both] - vb[both]).max()) if both.any() else 0.0,
              "null_in_one": int((na != nb).sum())}
+        result["columns"][column] = r
+        ok = ok and r["null_in_one"] == 0 and r["below"] == 0
+    for rep in reps:  # each row's cosine: of its weights (sparse), of each token vector (multi-vector)
+        column = ma["embedding"][rep]["column"]
+        read = sparse_rows if rep == "sparse" else multi_vector_rows
+        ra, rb = read(a.column(column)), read(b.column(column))
+        ra, rb = [ra[i] for i in ia.tolist()], [rb[i] for i in ib.tolist()]
+        both = [k for k in range(len(ra)) if ra[k] is not None and rb[k] is not None]
+        cos = compare_reps({rep: [ra[k] for k in both]}, {rep: [rb[k] for k in both]}).get(rep, np.zeros(0))
+        same = sum(all(np.array_equal(x, y) for x, y in zip(ra[k], rb[k])) if rep == "sparse"
+                   else np.array_equal(ra[k], rb[k]) for k in both)
+        r = {"compared": len(both), "identical_rows": int(same),
+             "min_cosine": float(cos.min()) if cos.size else None,
+             "mean_cosine": float(cos.mean()) if cos.size else None, "below": int((cos < min_cosine).sum()),
+             "max_abs_diff": 0.0 if same == len(both) else float("nan"),
+             "null_in_one": sum((ra[k] is None) != (rb[k] is None) for k in range(len(ra)))}
         result["columns"][column] = r
         ok = ok and r["null_in_one"] == 0 and r["below"] == 0
     result["ok"] = ok
