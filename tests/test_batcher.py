@@ -24,3 +24,17 @@ def test_a_row_longer_than_the_budget_gets_its_own_batch():
 
 def test_empty_window():
     assert token_budget_batches(np.array([], dtype=np.int64), 100, 10) == []
+
+
+def test_a_failed_rows_zeros_stack_with_the_engines_tensors():
+    """embed_isolating fills a row the engine failed alone with numpy zeros beside vLLM's tensors."""
+    import torch
+
+    from batchembed.embed.engine import Pending
+
+    p = Pending(3, 4)
+    p.put(0, torch.ones(4, dtype=torch.bfloat16))
+    p.put(1, p.empty_row())
+    p.put(2, torch.full((4,), 2.0))
+    m = p.matrix()
+    assert m.dtype == np.float32 and m.tolist() == [[1.0] * 4, [0.0] * 4, [2.0] * 4]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -256,10 +258,10 @@ def test_colbert_equals_pylate(tmp_path, models):
 
 
 @pytest.mark.slow
-def test_reindex_shards_resume_and_lance_keep_every_representation(tmp_path, models):
+def test_reindex_shards_resume_ray_and_lance_keep_every_representation(tmp_path, models):
     """A reindex reuses a row's sparse and multi-vector values with its dense vector; two shards
     make the same output as one run; a run killed -9 mid-way and run again writes every row once;
-    a Lance output holds the same columns."""
+    a Ray actor writes the same columns; a Lance output holds them too."""
     texts = corpus(tmp_path / "in", rows=40, files=2)
     outputs = ["dense", "sparse", "multi_vector"]
     full = tmp_path / "full"
@@ -310,6 +312,17 @@ def test_reindex_shards_resume_and_lance_keep_every_representation(tmp_path, mod
     keep = [i for i in range(40) if i != 35]
     assert c.column("sparse").take(keep).equals(a.column("sparse").take(keep))
     assert cli("verify", killed).stdout.startswith("ok")
+
+    on_ray = tmp_path / "ray"  # a Ray actor's engine writes the same columns
+    path = job(tmp_path / "in", models["bge-m3"], on_ray, outputs)
+    ray_tmp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths must fit 107 bytes
+    try:
+        cli("run", path, "--set", "executor=ray", "--set", "ray.num_cpus_per_engine=1", "--no-progress",
+            env={"RAY_TMPDIR": ray_tmp})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert read(on_ray).select(["id", "embedding", "sparse", "multi_vector"]).equals(
+        a.select(["id", "embedding", "sparse", "multi_vector"]))
 
     lance_out = tmp_path / "lance"
     path = job(tmp_path / "in", models["bge-m3"], lance_out, outputs)

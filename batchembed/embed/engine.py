@@ -569,10 +569,13 @@ class Pending:
             if not self.dimension:
                 return np.zeros((self.rows, 0), dtype=np.float32)
             return np.stack([r.dense for r in self._parts]).astype(np.float32, copy=False)
-        if isinstance(self._parts[0], np.ndarray):
-            m = np.stack(self._parts).astype(np.float32, copy=False)
-        else:
-            import torch
+        arrays = [isinstance(x, np.ndarray) for x in self._parts]
+        if all(arrays):
+            return np.stack(self._parts).astype(np.float32, copy=False)
+        import torch
 
-            m = torch.stack(self._parts).to(torch.float32).cpu().numpy()
-        return m
+        if not any(arrays):
+            return torch.stack(self._parts).to(torch.float32).cpu().numpy()
+        # a row the engine failed holds zeros (empty_row) beside the engine's tensors
+        return np.stack([x if a else x.to(torch.float32).cpu().numpy() for x, a in zip(self._parts, arrays)]
+                        ).astype(np.float32, copy=False)
