@@ -68,7 +68,8 @@ class ModelSpec(_Strict):
                                     "put before every text (then model.prefix); must contain {instruction}")
     long_text: Literal["truncate", "chunk"] = Field(
         "truncate", description="a text longer than max_length: truncate it, or chunk it into windows of "
-        "max_length tokens, embed each and pool them (token-weighted mean, renormalised) into one vector")
+        "max_length tokens, embed each and pool them (token-weighted mean, renormalised) into one vector; "
+        "its sparse weights: each id's largest over the windows; its multi-vector: the windows' vectors")
     chunk_overlap: int = Field(32, ge=0, description="long_text: chunk: tokens each window shares with the next")
 
     @field_validator("instruction_format")

@@ -182,9 +182,6 @@ def _check_outputs(spec: JobSpec, model: ModelInfo) -> None:
         if e.output_dtype != "float32":
             raise JobError("embedding.output_dtype: applies to dense vectors, and embedding.outputs has no dense "
                            "(multi-vectors take embedding.multi_vector.dtype)")
-    if spec.model.long_text == "chunk" and set(e.outputs) - {"dense"}:
-        raise JobError("model.long_text: chunk pools the windows of a long text into one dense vector; sparse and "
-                       "multi-vector outputs take the text up to model.max_length (long_text: truncate)")
     if model.family != "dense" and (spec.model.prefix or spec.model.instruction):
         raise JobError(f"model.prefix / model.instruction: a {model.family} model takes its documents as they are "
                        "(a ColBERT model's document marker is put in by batchembed)")

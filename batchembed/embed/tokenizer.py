@@ -198,6 +198,8 @@ class Tokenizer:
         if at is None:
             raise JobError("model.long_text: chunk: cannot tell this tokenizer's special tokens apart")
         self._head, self._tail = full[:at], full[at + len(bare):]
+        if self.marker is not None:  # each window a document of its own: [CLS] marker ... [SEP]
+            self._head = self._head[:1] + [self.marker] + self._head[1:]
         self._prefix_ids = plain.encode(self.prefix, add_special_tokens=False).ids if self.prefix else []
         self.window = self.max_length - len(self._head) - len(self._tail) - len(self._prefix_ids)
         if self.window - overlap < 1:

@@ -167,3 +167,31 @@ def multi_vector_rows(col: pa.Array | pa.ChunkedArray) -> list:
     off = col.offsets.to_numpy()
     nulls = col.is_null().to_numpy(zero_copy_only=False)
     return [None if nulls[i] else flat[off[i] * dim:off[i + 1] * dim].reshape(-1, dim) for i in range(len(col))]
+
+
+def max_per_id(ids: np.ndarray, weights: np.ndarray, drop=()) -> tuple[np.ndarray, np.ndarray]:
+    """Per token id its largest weight, ids in `drop` and weights <= 0 left out; ids ascending
+    (FlagEmbedding's lexical weights; a chunked row's weights over its windows)."""
+    ok = weights > 0
+    if len(drop):
+        ok &= ~np.isin(ids, list(drop))
+    ids, weights = ids[ok], weights[ok]
+    if not len(ids):
+        return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    order = np.lexsort((-weights, ids))  # by id, the largest weight first
+    ids, weights = ids[order], weights[order]
+    first = np.concatenate([[True], ids[1:] != ids[:-1]])
+    return ids[first].astype(np.int32), weights[first].astype(np.float32)
+
+
+def merge_windows(r: str, parts: list):
+    """A chunked row's sparse or multi-vector value from its windows' (long_text: chunk): sparse,
+    each id's largest weight over the windows (SPLADE's max pooling over all the text's tokens);
+    multi-vector, the windows' vectors one after another (MaxSim over the row is then the best
+    window's match for each query vector)."""
+    if len(parts) == 1:
+        return parts[0]
+    if r == "sparse":
+        return max_per_id(np.concatenate([p[0] for p in parts]).astype(np.int64),
+                          np.concatenate([p[1] for p in parts]))
+    return np.concatenate(parts)

@@ -16,12 +16,14 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from ..embed.batcher import embed_isolating, plan_rows
+from ..embed.vectors import merge_windows
 from ..errors import EngineFailure, RequestFailure
 from .base import END, Window, get, put
 
@@ -174,8 +176,8 @@ class EmbedStage:
             w.full[w.todo] = w.plan.vectors(w.pending.matrix())
             for r, values in w.pending.extras().items():  # submission order, as the matrix's rows
                 row = w.extra[r]
-                for k, j in enumerate(w.plan.order.tolist()):
-                    row[int(w.todo[j])] = values[k]
+                for i, value in zip(w.todo.tolist(), w.plan.values(values, partial(merge_windows, r))):
+                    row[i] = value
         for i, src, j in w.borrowed:
             w.full[i] = src.full[j]
             if j in src.failed:
