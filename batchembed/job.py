@@ -4,6 +4,7 @@ works from a `Prepared`."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -30,8 +31,8 @@ from .storage import RetryPolicy
 
 log = logging.getLogger(__name__)
 
-# the most bytes a window's multi-vectors take at max_length (Prepared.window_rows)
-MULTI_VECTOR_WINDOW_BYTES = 128 * 2**20
+# the bytes a window's multi-vectors take, for rows of the average length (Prepared.window_rows)
+MULTI_VECTOR_WINDOW_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -108,15 +109,19 @@ class Prepared:
         """The representations the job writes, in the order of REPRESENTATIONS."""
         return tuple(r for r in REPRESENTATIONS if r in self.spec.embedding.outputs)
 
-    @property
+    @functools.cached_property
     def window_rows(self) -> int:
         """Rows read, tokenised and length-sorted together: engine.sort_window_rows, fewer where a
-        window's multi-vectors at max_length would pass MULTI_VECTOR_WINDOW_BYTES (about eight
-        windows are alive at once: queued, on the engine, and waiting for the writer)."""
+        window's multi-vectors would pass MULTI_VECTOR_WINDOW_BYTES, at the tokens a row takes on
+        average in the first rows (estimate_tokens; about eight windows are alive at once: queued,
+        on the engine, and waiting for the writer). Not by max_length: where rows are short, that
+        bound leaves a GPU windows of a few thousand tokens, too few to fill its steps."""
         rows = self.spec.engine.sort_window_rows
         if "multi_vector" in self.outputs:
-            row_bytes = self.max_length * (self.model.multi_vector_dimension or 1) * 4
-            rows = min(rows, max(16, MULTI_VECTOR_WINDOW_BYTES // row_bytes))
+            total = sum(f.num_rows for f in self.files)
+            per_row = estimate_tokens(self) / total if total else self.max_length
+            row_bytes = max(per_row, 1.0) * (self.model.multi_vector_dimension or 1) * 4
+            rows = min(rows, max(16, int(MULTI_VECTOR_WINDOW_BYTES // row_bytes)))
         return rows
 
     def tokenizer(self) -> Tokenizer:

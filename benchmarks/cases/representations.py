@@ -23,7 +23,8 @@ class Representations(Case):
                 "sparse": "sparse only", "multi_vector": "multi-vector only"}
     ab_variants = ("all",)
     columns = [("wall_s", "whole process s", ".1f"), ("tokens_run", "engine tokens", ",.0f"),
-               ("bytes_per_row", "output B/row", ",.0f"), ("tree_rss_mb", "peak RSS MB", ",.0f")]
+               ("steady_tok_s", "tok/s while running", ",.0f"), ("bytes_per_row", "output B/row", ",.0f"),
+               ("tree_rss_mb", "peak RSS MB", ",.0f")]
 
     def add_args(self, ap):
         ap.add_argument("--rows", type=int, default=60)
@@ -47,6 +48,7 @@ class Representations(Case):
         s = m.summary()
         size = sum(f.stat().st_size for f in out.glob("part-*.parquet"))
         return {"wall_s": round(m.wall_s, 2), "tokens_run": s["tokens_run"], "rows": s["rows"],
+                "steady_tok_s": s.get("steady_tokens_per_s"),
                 "bytes_per_row": round(size / max(s["rows"], 1)), "tree_rss_mb": m.tree_rss_mb}
 
     def derived(self, medians):
