@@ -289,8 +289,8 @@ class Engine:
             self.heads = Heads(self._heads_for, self.outputs, device)
         self._prompt = _prompt_maker()
         self._ids = itertools.count()
-        # request id -> (its submission, position, tokens)
-        self._slots: dict[str, tuple[Pending, int, int]] = {}
+        # request id -> (its submission, position, token ids: the submitted list itself, not a copy)
+        self._slots: dict[str, tuple[Pending, int, list[int]]] = {}
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
         self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s,
                                  in_process=self.in_process, queued=self._queued, before_exit=self._remove_scratch)
@@ -316,7 +316,7 @@ class Engine:
         slots, ids, params = self._slots, self._ids, self._params
         for i, seq in enumerate(token_ids):
             rid = str(next(ids))
-            slots[rid] = (pending, i, seq if self.heads is not None else len(seq))
+            slots[rid] = (pending, i, seq)
             if self._reject is not None and self._reject in seq:
                 self._rejected.add(rid)
             if self._fail is not None and self._fail in seq:
@@ -399,7 +399,7 @@ class Engine:
         """What is queued, for a stall's message: how many sequences, their lengths, and how many
         have the engine's most tokens (a row split across steps at that length never finished on
         vLLM 0.24: vllm_args)."""
-        lengths = [n if isinstance(n, int) else len(n) for _, _, n in list(self._slots.values())]
+        lengths = [len(seq) for _, _, seq in list(self._slots.values())]
         if not lengths:
             return "no sequences queued"
         most = self.key.max_length
@@ -525,14 +525,6 @@ class Pending:
         self.outputs, self.multi_dimension = tuple(outputs), multi_dimension
         self.reps = reps  # rows are heads.Reps (the model's heads run here), not vectors
         self._parts: list = [None] * rows
-
-    @classmethod
-    def filled(cls, matrix: np.ndarray) -> "Pending":
-        """A submission whose vectors are all there already."""
-        pending = cls(len(matrix), matrix.shape[1])
-        for i, row in enumerate(matrix):
-            pending.put(i, row)
-        return pending
 
     def empty_row(self):
         """What a row the engine failed holds."""
