@@ -68,7 +68,7 @@ def _family(path: Path, config: dict, st_config: dict, modules: list) -> tuple[s
         dim = None
         for m in modules if isinstance(modules, list) else []:
             if m.get("type", "").endswith("Dense"):
-                dim = _read_json(path / m.get("path", "") / "config.json").get("out_features", dim)
+                dim = read_model_json(path / m.get("path", "") / "config.json").get("out_features", dim)
         return "colbert", dim
     if "HF_ColBERT" in (config.get("architectures") or ()):
         raise JobError(f"model: {path}: a Stanford ColBERT checkpoint (HF_ColBERT); batchembed reads PyLate's "
@@ -143,7 +143,8 @@ def resolve_model_dir(name: str) -> Path:
         ) from None
 
 
-def _read_json(path: Path) -> dict:
+def read_model_json(path: Path) -> dict:
+    """A JSON file of a model folder: {} when it is not there, a JobError when it cannot be read."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -154,31 +155,32 @@ def _read_json(path: Path) -> dict:
 
 def read_model_info(name: str) -> ModelInfo:
     path = resolve_model_dir(name)
-    config = _read_json(path / "config.json")
-    st_config = _read_json(path / "sentence_bert_config.json")
-    modules = _read_json(path / "modules.json") or []
-    family, multi_dim = _family(path, config, _read_json(path / "config_sentence_transformers.json"), modules)
+    config = read_model_json(path / "config.json")
+    st_config = read_model_json(path / "sentence_bert_config.json")
+    modules = read_model_json(path / "modules.json") or []
+    st_model_config = read_model_json(path / "config_sentence_transformers.json")
+    family, multi_dim = _family(path, config, st_model_config, modules)
 
     dimension = config.get("hidden_size") or config.get("d_model")
     for module in modules if isinstance(modules, list) else []:
         kind = module.get("type", "")
         sub = path / module.get("path", "")
         if kind.endswith("Pooling"):
-            dimension = _read_json(sub / "config.json").get("word_embedding_dimension", dimension)
+            dimension = read_model_json(sub / "config.json").get("word_embedding_dimension", dimension)
         elif kind.endswith("Dense"):
-            dimension = _read_json(sub / "config.json").get("out_features", dimension)
+            dimension = read_model_json(sub / "config.json").get("out_features", dimension)
     if not dimension:
         raise JobError(f"model: {path}/config.json names no hidden_size; cannot tell the embedding dimension")
 
     limits = [st_config.get("max_seq_length"), config.get("max_position_embeddings")]
-    tok_config = _read_json(path / "tokenizer_config.json")
+    tok_config = read_model_json(path / "tokenizer_config.json")
     if isinstance(tok_config.get("model_max_length"), int) and tok_config["model_max_length"] < 10**6:
         limits.append(tok_config["model_max_length"])
     limits = [x for x in limits if isinstance(x, int) and x > 0]
     # sentence-transformers' max_seq_length wins: it is what the model was trained with.
     max_length = st_config.get("max_seq_length") or (min(limits) if limits else 512)
     if family == "colbert":  # PyLate cuts documents at document_length, its marker included
-        max_length = _read_json(path / "config_sentence_transformers.json").get("document_length") or max_length
+        max_length = st_model_config.get("document_length") or max_length
 
     mdims = config.get("matryoshka_dimensions")
     return ModelInfo(

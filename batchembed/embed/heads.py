@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import JobError
-from ..model import ModelInfo
+from ..model import ModelInfo, read_model_json
 from .vectors import max_per_id
 
 log = logging.getLogger(__name__)
@@ -68,13 +68,6 @@ def _load_weights(folder: Path) -> dict:
     raise JobError(f"model: no weights (model.safetensors or pytorch_model.bin) in {folder}")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
 def _token_id(tokenizer, token) -> int | None:
     if isinstance(token, dict):
         token = token.get("content")
@@ -106,7 +99,7 @@ def document_marker(model: ModelInfo) -> int | None:
     """The token id a ColBERT model puts after the first token of every document, or None."""
     if model.family != "colbert":
         return None
-    prefix = _read_json(model.path / "config_sentence_transformers.json").get("document_prefix", "[D] ")
+    prefix = read_model_json(model.path / "config_sentence_transformers.json").get("document_prefix", "[D] ")
     if not prefix:
         return None
     tok = _rust_tokenizer(model.path)
@@ -129,7 +122,7 @@ class Heads:
         self.dimension = model.dimension
         self.multi_dimension = model.multi_vector_dimension
         path = model.path
-        self.hidden = int(_read_json(path / "config.json").get("hidden_size") or 0)  # a token state's size
+        self.hidden = int(read_model_json(path / "config.json").get("hidden_size") or 0)  # a token state's size
         with torch.no_grad():
             if self.family == "bge-m3":
                 self._colbert = self._linear(torch.load(path / "colbert_linear.pt", map_location="cpu",
@@ -137,21 +130,21 @@ class Heads:
                 self._sparse = self._linear(torch.load(path / "sparse_linear.pt", map_location="cpu",
                                                        weights_only=True))
                 tok = _rust_tokenizer(path)
-                specials = _read_json(path / "special_tokens_map.json")
+                specials = read_model_json(path / "special_tokens_map.json")
                 self._unused = {i for k in ("cls_token", "eos_token", "pad_token", "unk_token")
                                 if k in specials and (i := _token_id(tok, specials[k])) is not None}
             elif self.family == "splade":
                 self._mlm_head(path)
-                pooling = next((m for m in _read_json(path / "modules.json")
+                pooling = next((m for m in read_model_json(path / "modules.json")
                                 if m.get("type", "").endswith("SpladePooling")), {})
-                cfg = _read_json(path / pooling.get("path", "") / "config.json")
+                cfg = read_model_json(path / pooling.get("path", "") / "config.json")
                 self._pool = cfg.get("pooling_strategy", "max")
                 if self._pool not in ("max", "sum") or cfg.get("activation_function", "relu") != "relu":
                     raise JobError(f"model: {path}: SpladePooling {cfg}; batchembed applies max or sum "
                                    "pooling of log(1 + relu)")
             elif self.family == "colbert":
                 self._dense_chain(path)
-                words = _read_json(path / "config_sentence_transformers.json").get("skiplist_words")
+                words = read_model_json(path / "config_sentence_transformers.json").get("skiplist_words")
                 if words is None:
                     import string
 
@@ -176,7 +169,7 @@ class Heads:
         import torch
         from transformers.activations import ACT2FN
 
-        config = _read_json(path / "config.json")
+        config = read_model_json(path / "config.json")
         w = _load_weights(path)
         p = "cls.predictions."
         hidden = int(config["hidden_size"])
@@ -200,11 +193,11 @@ class Heads:
         import torch
 
         self._chain = []
-        for m in _read_json(path / "modules.json"):
+        for m in read_model_json(path / "modules.json"):
             if not m.get("type", "").endswith("Dense"):
                 continue
             folder = path / m.get("path", "")
-            cfg = _read_json(folder / "config.json")
+            cfg = read_model_json(folder / "config.json")
             w = _load_weights(folder)
             linear = self._linear({k[len("linear."):]: v for k, v in w.items() if k.startswith("linear.")})
             residual = None
@@ -306,7 +299,7 @@ def encoder_folder(model: ModelInfo, content_hash: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        config = _read_json(model.path / "config.json")
+        config = read_model_json(model.path / "config.json")
         skip = {"config.json", "modules.json"}
         if model.family == "splade":
             from safetensors.torch import save_file
