@@ -109,6 +109,11 @@ class Prepared:
         """The representations the job writes, in the order of REPRESENTATIONS."""
         return tuple(r for r in REPRESENTATIONS if r in self.spec.embedding.outputs)
 
+    @property
+    def extra_outputs(self) -> tuple[str, ...]:
+        """The representations beside dense vectors (sparse, multi_vector) the job writes."""
+        return tuple(r for r in self.outputs if r != "dense")
+
     @functools.cached_property
     def window_rows(self) -> int:
         """Rows read, tokenised and length-sorted together: engine.sort_window_rows, fewer where a

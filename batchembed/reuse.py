@@ -251,11 +251,11 @@ class TaskIndex:
         reuse = found & text_valid & (self.hashes[pos_c] == hashes)
         return reuse, pos_c, int(found.sum())
 
-    def vectors(self, positions: np.ndarray, dimensions: list[int], outputs: tuple[str, ...] = ("dense",)) -> dict:
+    def vectors(self, positions: np.ndarray, dimensions: list[int], extras: tuple[str, ...] = ()) -> dict:
         """Stored vectors, reduced to each of our dimensions, for the given index positions; and
-        the stored sparse and multi-vector values (Arrow arrays, in position order) of `outputs`."""
+        the stored values (Arrow arrays, in position order) of `extras`, sparse and multi_vector,
+        whose columns bear their names."""
         out: dict = {d: np.zeros((len(positions), d), np.float32) for d in dimensions}
-        extras = [r for r in outputs if r != "dense"]
         if not len(positions):
             return out | {r: None for r in extras}
         parts, rows = self.part_no[positions], self.rows[positions]

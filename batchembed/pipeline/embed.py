@@ -54,12 +54,11 @@ class EmbedStage:
         self.engine = None
         # what one cached vector costs: its float32 values and CACHE_ENTRY_OVERHEAD
         self.width = p.model.dimension if "dense" in p.outputs else 0  # of a dense vector, 0: none written
-        self.extras = [r for r in p.outputs if r != "dense"]
         self.cache_rows = p.spec.engine.dedup_cache_mb * 2**20 // (4 * p.model.dimension + CACHE_ENTRY_OVERHEAD)
         # sparse and multi-vector rows are of any size: texts seen in earlier windows are embedded
         # again (a window's identical texts still once)
         self.cache: OrderedDict[int, np.ndarray] | None = \
-            OrderedDict() if self.cache_rows and not self.extras else None
+            OrderedDict() if self.cache_rows and not p.extra_outputs else None
         self.engine_seconds = 0.0
         self.input_wait_seconds = 0.0  # waiting for a tokenised window
         self.output_wait_seconds = 0.0  # ... and for room in the writer's queue
@@ -88,7 +87,7 @@ class EmbedStage:
         still on the engine that has the same text); the rest are queued on the engine, in
         token-budget batch order, and come back in `_finish_window`."""
         w.full = np.empty((len(w.uniq), self.width), dtype=np.float32)
-        w.extra = {r: [None] * len(w.uniq) for r in self.extras}
+        w.extra = {r: [None] * len(w.uniq) for r in self.p.extra_outputs}
         cache, coming = self.cache, self._coming
         todo, w.borrowed = [], []
         for i, h in enumerate(w.uniq.tolist()):

@@ -108,7 +108,7 @@ class ReadStage:
         if index is not None:
             keys, key_valid = id_keys(batch.column(self.p.spec.input.id_column))
             reuse, pos, matched = index.match(keys, key_valid, hashes, valid)
-            reused = index.vectors(pos[reuse], self.p.dimensions, self.p.outputs)
+            reused = index.vectors(pos[reuse], self.p.dimensions, self.p.extra_outputs)
         need = np.flatnonzero(valid & ~reuse)
         uniq, first, inverse = np.unique(hashes[need], return_index=True, return_inverse=True)
         tok = self.tokenizer([texts[i] for i in need[first]])

@@ -51,7 +51,6 @@ class WriteStage:
         self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
         self.job = p.fingerprint.with_digest()
         self.schema = p.output_schema
-        self.extras = [r for r in p.outputs if r != "dense"]
 
     def run(self, q_out: queue.Queue, stop, progress: Callable[[dict], None], records: dict[str, dict],
             failed: list[dict]) -> None:
@@ -109,7 +108,7 @@ class WriteStage:
             arrays.append(vector_array(matrix, valid, p.spec.embedding.output_dtype,
                                        self.calibration.ranges[d] if self.calibration else None))
         extra_counts = dict.fromkeys(("sparse_weights", "sparse_pruned", "multi_vectors"), 0)
-        for r in self.extras:
+        for r in p.extra_outputs:
             arrays.append(self._extra_column(r, w, batch.num_rows, valid, extra_counts))
         # by name, then cast by the writer: a carried column may be large_string in one file
         # and string in another
