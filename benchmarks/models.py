@@ -17,6 +17,7 @@ families above), for trying the GPU suite on a CPU and for the tests.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -128,14 +129,15 @@ def _make_family(folder: Path, name: str, tiny: bool) -> Path:
     return folder
 
 
-def pylate_python() -> Path:
-    """The Python of the PyLate venv (BATCHEMBED_PYLATE_PYTHON, else .venv-pylate)."""
-    import os
+# the Python of the PyLate venv, which scripts/setup_references.sh makes
+PYLATE_PYTHON = Path(os.environ.get("BATCHEMBED_PYLATE_PYTHON",
+                                    Path(__file__).parent.parent / ".venv-pylate" / "bin" / "python"))
 
-    path = Path(os.environ.get("BATCHEMBED_PYLATE_PYTHON", Path(__file__).parent.parent / ".venv-pylate/bin/python"))
-    if not path.exists():
-        raise SystemExit(f"no PyLate at {path}: scripts/setup_references.sh makes .venv-pylate")
-    return path
+
+def pylate_python() -> Path:
+    if not PYLATE_PYTHON.exists():
+        raise SystemExit(f"no PyLate at {PYLATE_PYTHON}: scripts/setup_references.sh makes .venv-pylate")
+    return PYLATE_PYTHON
 
 
 def _copy_tokenizer(folder: Path) -> None:

@@ -22,8 +22,8 @@ import yaml
 from helpers import BIN, docs_example, start_run, write_parquet
 
 from batchembed.embed.vectors import multi_vector_array, multi_vector_rows, prune, sparse_array, sparse_rows
+from benchmarks.models import PYLATE_PYTHON as PYLATE
 
-PYLATE = Path(os.environ.get("BATCHEMBED_PYLATE_PYTHON", Path(__file__).parents[1] / ".venv-pylate/bin/python"))
 REFERENCE = Path(__file__).parent / "pylate_reference.py"
 
 TEXTS = ["hello world, this is a test.", "short", "The quick brown fox jumps over the lazy dog!",
@@ -78,7 +78,6 @@ def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("family-models")
     found = {name: make(folder, name, tiny=True) for name in ("bge-m3", "splade")}
     if PYLATE.exists():
-        os.environ.setdefault("BATCHEMBED_PYLATE_PYTHON", str(PYLATE))
         found["colbert"] = make(folder, "colbert", tiny=True)
     return found
 

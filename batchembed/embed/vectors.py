@@ -107,11 +107,16 @@ def prune(indices: np.ndarray, values: np.ndarray, top_k: int | None, min_weight
     return indices[keep], values[keep]
 
 
+def _nulls(rows: list, valid: np.ndarray | None) -> np.ndarray:
+    """bool per row: None, or not `valid`."""
+    null = np.fromiter((r is None for r in rows), dtype=bool, count=len(rows))
+    return null if valid is None else null | ~valid
+
+
 def sparse_array(rows: list, valid: np.ndarray | None = None) -> pa.StructArray:
     """A sparse column from (ids, weights) per row; None (or `valid` False) rows are null."""
     n = len(rows)
-    null = np.array([r is None for r in rows], bool) if valid is None else ~valid | np.array([r is None for r in rows],
-                                                                                              bool)
+    null = _nulls(rows, valid)
     lengths = [0 if null[i] else len(rows[i][0]) for i in range(n)]
     present = [r for i, r in enumerate(rows) if not null[i]]
     ids = np.concatenate([r[0] for r in present]).astype(np.int32) if present else np.zeros(0, np.int32)
@@ -127,9 +132,7 @@ def multi_vector_array(rows: list, dim: int, dtype: str, valid: np.ndarray | Non
     """A multi-vector column from a (vectors, dim) float matrix per row; None (or `valid` False)
     rows are null. int8: round(127 x value) of the unit vectors."""
     n = len(rows)
-    null = np.array([r is None for r in rows], bool)
-    if valid is not None:
-        null |= ~valid
+    null = _nulls(rows, valid)
     lengths = [0 if null[i] else len(rows[i]) for i in range(n)]
     present = [rows[i] for i in range(n) if not null[i] and len(rows[i])]
     flat = np.concatenate(present).reshape(-1) if present else np.zeros(0, np.float32)
