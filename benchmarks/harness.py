@@ -162,6 +162,16 @@ def measure_process(cmd: list[str], env: dict | None = None, cwd: Path | None = 
     return Measured(proc.returncode, wall, peak, out.read(), samples)
 
 
+def _git_commit() -> str:
+    """HEAD of the tree the harness runs from, "+changes" when its tracked files differ."""
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if git.returncode:
+        return "unknown"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    return git.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def environment() -> dict:
     """The machine, the versions and the commit, as every results file records them."""
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
@@ -180,11 +190,9 @@ def environment() -> dict:
             env["versions"][name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True)
-    env["commit"] = (git.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) if git.returncode == 0 \
-        else os.environ.get("BATCHEMBED_COMMIT", "unknown")
+    # the commit named explicitly wins: a copy of the tree (a lent GPU machine's) may carry git
+    # metadata of another commit than its files
+    env["commit"] = os.environ.get("BATCHEMBED_COMMIT") or _git_commit()
     env["first_benchmark_on_machine"] = not MARKER.exists()  # caches (vLLM's, the page cache) were cold
     return env
 
