@@ -133,3 +133,24 @@ def guard() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=guard)
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def identity(pid: int) -> tuple[int, str] | None:
+    """(pid, start time): a process, told apart from a later one that reuses its pid."""
+    st = proc_stat(pid)
+    return (pid, st[19]) if st else None
+
+
+def is_alive(proc: tuple[int, str]) -> bool:
+    """Running or stopped; not gone, not a zombie waiting to be reaped, not another process now."""
+    st = proc_stat(proc[0])
+    return st is not None and st[0] not in ("Z", "X") and st[19] == proc[1]

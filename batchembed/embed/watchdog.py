@@ -18,6 +18,7 @@ import threading
 import time
 
 from ..logs import exit_now
+from ..procguard import identity, is_alive, proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -43,27 +44,6 @@ def descendant_pids(pid: int) -> list[int]:
     return out
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def identity(pid: int) -> tuple[int, str] | None:
-    """(pid, start time): a process, told apart from a later one that reuses its pid."""
-    st = _stat(pid)
-    return (pid, st[19]) if st else None
-
-
-def is_alive(proc: tuple[int, str]) -> bool:
-    """Running or stopped; not gone, not a zombie waiting to be reaped, not another process now."""
-    st = _stat(proc[0])
-    return st is not None and st[0] not in ("Z", "X") and st[19] == proc[1]
-
-
 def tree(pids: list[int]) -> list[tuple[int, str]]:
     """Each process and everything it started, as identities."""
     return [i for p in pids for q in [p, *descendant_pids(p)] if (i := identity(q)) is not None]
@@ -72,7 +52,7 @@ def tree(pids: list[int]) -> list[tuple[int, str]]:
 def kill_tree(procs: list[tuple[int, str]]) -> None:
     """SIGKILL each process that is still itself, and whatever it started since."""
     for proc in procs:
-        if is_alive(proc) or (_stat(proc[0]) or [""])[0] == "Z":
+        if is_alive(proc) or (proc_stat(proc[0]) or [""])[0] == "Z":
             for pid in [*descendant_pids(proc[0]), proc[0]]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
