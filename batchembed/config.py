@@ -8,15 +8,18 @@ checked exactly like the file.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import JobError
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -172,6 +175,9 @@ class OutputSpec(_Strict):
                                                 "one Lance dataset (pip install 'batchembed[lance]')")
     storage_options: dict[str, Any] = Field({}, description="passed to fsspec (and to Lance) for output.uri")
     rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")
+    lease_s: float = Field(60, ge=2, description="runs on one output share its parts: a run claims a part "
+                           "before embedding it and renews its claims every third of this; a killed run's "
+                           "claims lapse after this long and another run takes its parts over")
     compression: Literal["zstd", "snappy", "lz4", "gzip", "none"] = Field(
         "zstd", description="Parquet's; Lance chooses its own encodings")
     index: IndexSpec | None = Field(None, description="format lance: a vector index built once every part "
@@ -187,9 +193,10 @@ class EngineSpec(_Strict):
     windows_in_flight: int = Field(2, ge=1, description="windows queued on the engine at once: with 2 it "
                                    "starts the next window while the last one's vectors are collected; 1 "
                                    "lets it drain at every window's end")
-    data_parallel: int = Field(1, ge=1, description="engine processes pulling parts from one queue: one per "
-                               "GPU, or several on one GPU (small models: one engine's Python front end is "
-                               "the limit), or one per slice of the CPU cores")
+    data_parallel: int = Field(1, ge=1, description="engines pulling parts from one list (engine processes "
+                               "on this machine, or Ray actors with executor: ray): one per GPU, or several "
+                               "on one GPU (small models: one engine's Python front end is the limit), or "
+                               "one per slice of the CPU cores")
     enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: "
                                        "eager for encoders (BERT-like) and on CPU, compiled for decoder "
                                        "embedders (Qwen3-Embedding) on a GPU (the first start compiles, "
@@ -230,10 +237,15 @@ class IncrementalSpec(_Strict):
 class RaySpec(_Strict):
     address: str | None = Field(None, description="Ray cluster address, e.g. ray://head:10001 or auto; "
                                 "none starts a local Ray")
-    engines: int = Field(1, ge=1, description="engine actors")
+    engines: int | None = Field(None, ge=1, description="deprecated: engine.data_parallel, which counts the "
+                                "engine actors as it counts engine processes; read as it, with a warning")
     num_cpus_per_engine: float = Field(1, gt=0, description="CPUs Ray reserves for each engine actor")
     num_gpus_per_engine: float = Field(0, ge=0, description="1 for one GPU each; 0.25 packs four per GPU "
                                        "(then set engine.gpu_memory_utilization to about 0.2)")
+    start_timeout_s: float = Field(300, gt=0, description="how long the engine actors may wait for the "
+                                   "cluster's CPUs and GPUs (an autoscaler adding nodes) before the run stops "
+                                   "with exit 1 naming what was asked and what the cluster has; a local Ray "
+                                   "that can never fit them is refused at once")
 
 
 class JobSpec(_Strict):
@@ -260,6 +272,20 @@ class JobSpec(_Strict):
     ray: RaySpec = Field(RaySpec(), description="executor: ray only")
     shard: str | None = Field(None, description="i/N: run only shard i (0-based) of N; the last to finish "
                               "writes the manifest")
+
+    @model_validator(mode="after")
+    def _one_engine_count(self):
+        # ray.engines was the engine count of executor: ray; engine.data_parallel is the one key now
+        engines = self.ray.engines
+        if engines is None:
+            return self
+        if "data_parallel" in self.engine.model_fields_set and self.engine.data_parallel != engines:
+            raise ValueError(f"ray.engines: {engines} and engine.data_parallel: {self.engine.data_parallel} "
+                             "disagree; ray.engines is deprecated: keep engine.data_parallel alone")
+        log.warning("ray.engines is deprecated: write engine.data_parallel: %d (it counts Ray's engine actors "
+                    "too)", engines)
+        self.engine.data_parallel, self.ray.engines = engines, None
+        return self
 
     @field_validator("fidelity_check", mode="before")
     @classmethod

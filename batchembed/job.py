@@ -88,6 +88,7 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)  # unreadable inputs, with on_error: skip
     previous: Any = None  # reuse.Previous: the output whose vectors may be reused (incremental)
+    run: str | None = None  # this run's id (output/leases.py), named in each part's commit record
 
     @property
     def output_schema(self) -> pa.Schema:

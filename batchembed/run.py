@@ -16,9 +16,12 @@ from .embed.matryoshka import column_names
 from .embed.vectors import MULTI_VECTOR, PACKED, SCALAR, SPARSE
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
+from .executors.schedule import Schedule
 from .job import Prepared, index_column, prepare
 from .model import read_model_info
+from .output import leases
 from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
+from .output.leases import Leases
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
 from .plan import Task, rows_per_part_for, shard_tasks
 from .reuse import TEXT_HASH, copy_parts
@@ -45,7 +48,7 @@ def _reporter(bar):
 
 def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
     """Parts are the unit of work: with few per engine, the last ones run while the rest wait."""
-    engines = p.spec.ray.engines if p.spec.executor == "ray" else p.spec.engine.data_parallel
+    engines = p.spec.engine.data_parallel
     # The engines that finish first wait for the last part in progress: up to a part's work, a
     # visible share of the job when each engine has only a few parts.
     if engines < 2 or not pending or len(pending) >= 6 * engines:
@@ -60,20 +63,20 @@ def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
                     max(1, rows // (suggested * engines)))
 
 
-def _execute(p: Prepared, pending: list[Task], progress, engine, reference) -> RunResult:
+def _execute(p: Prepared, schedule: Schedule, progress, engine, reference) -> RunResult:
     """The executor the job asks for: Ray, engine.data_parallel engine processes, or this process."""
     if p.spec.executor == "ray":
         from .executors.ray import run_on_ray
 
-        return run_on_ray(p, pending, progress)
-    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(pending))
+        return run_on_ray(p, schedule, progress)
+    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(schedule.by_id))
     if replicas > 1:
         from .executors.processes import run_in_processes
 
-        return run_in_processes(p, pending, progress, replicas, reference)
+        return run_in_processes(p, schedule, progress, replicas, reference)
     from .executors.local import run_local
 
-    return run_local(p, pending, progress, engine, reference)
+    return run_local(p, schedule, progress, engine, reference)
 
 
 def _calibrate(p: Prepared, engine, reference):
@@ -174,13 +177,20 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     reference = fidelity.start_reference(p) if pending and engine is None and spec.executor != "ray" else None
     own = None
     bar = None
+    schedule = None
     try:
         if pending and spec.embedding.output_dtype in SCALAR and calibration.load(p) is None:
             engine, own, stats.engine_start_seconds = _calibrate(p, engine, reference)
         bar = tqdm(total=sum(t.num_rows for t in pending), unit="row", disable=not show_progress,
                    dynamic_ncols=True, smoothing=0.1)
         _stop_if_interrupted(p, job)
-        result = _execute(p, pending, _reporter(bar), engine, reference) if pending else RunResult()
+        if pending:
+            # runs that meet on this output share its parts through claims in it (output/leases.py)
+            schedule = Schedule(p, pending, Leases(out, spec.output.lease_s))
+            p.run = schedule.leases.run
+            result = _execute(p, schedule, _reporter(bar), engine, reference)
+        else:
+            result = RunResult()
     except BatchembedError:
         _stop_if_interrupted(p, job)  # an engine that died of the same Ctrl-C is the interruption
         raise
@@ -188,6 +198,8 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
         _stop_if_interrupted(p, job)
         raise RunError(f"{type(e).__name__}: {e}") from e
     finally:
+        if schedule is not None:
+            schedule.close()
         if bar is not None:
             bar.close()
         if own is not None:
@@ -202,8 +214,9 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     stats.failed = len(failed)
     stats.seconds = time.perf_counter() - started
     records = {**state.done, **run_records}
-    if shard is not None:
-        # Other shards may have committed since this one started: the last to finish finalises.
+    if shard is not None or (schedule is not None and schedule.done_elsewhere):
+        # Other shards, or other runs on this output, may have committed since this one started:
+        # the last to finish finalises.
         records = {**out.state(p.tasks, job, p.failed).done, **run_records}
     unfinished = _missing_parts(p, records, failed)
     if unfinished:
@@ -263,6 +276,7 @@ def _finish(p: Prepared, state: OutputState, records: dict[int, dict], stats: St
     manifest (and _SUCCESS)."""
     p.out.remove_stale(state)
     p.out.drop_error_files(records.values())
+    leases.sweep(p.out)
     write_manifest(p, records, stats, failed)
 
 

@@ -63,19 +63,24 @@ SENTENCES = [
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
 
 
-def start_run(tmp_path: Path, job: dict, stdout=subprocess.DEVNULL, env: dict | None = None) -> subprocess.Popen:
+def start_run(tmp_path: Path, job: dict, stdout=subprocess.DEVNULL, env: dict | None = None, name: str = "run",
+              started=None) -> subprocess.Popen:
     """`batchembed run` of `job` in a session of its own (as a terminal's foreground job or a
-    scheduler's task), its stderr in tmp_path/run.log; returns once its first part is committed."""
+    scheduler's task), its stderr in tmp_path/<name>.log; returns once `started()` is true (by
+    default: once a part of a local output is committed), or at once when `started` is False."""
     import yaml
 
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=stdout,
-                            stderr=open(tmp_path / "run.log", "w"), env=env, start_new_session=True, text=True)
+                            stderr=open(tmp_path / f"{name}.log", "w"), env=env, start_new_session=True, text=True)
+    if started is False:
+        return proc
     commits = Path(job["output"]["uri"]) / "_commits"
+    started = started or (lambda: commits.exists() and any(commits.iterdir()))
     deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not (commits.exists() and any(commits.iterdir())):
+    while proc.poll() is None and time.monotonic() < deadline and not started():
         time.sleep(0.05)
-    assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+    assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
     return proc
 
 

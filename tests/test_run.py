@@ -273,7 +273,7 @@ def test_ray_executor_on_a_local_ray(tmp_path, st_model, caplog, run_temp, monke
         write_parquet(tmp_path / "in" / f"f{k}.parquet", {"id": list(range(k * 20, k * 20 + 20)),
                                                           "text": texts[k * 20:(k + 1) * 20]})
     spec = make_job(tmp_path / "in", tmp_path / "out", executor="ray",
-                    ray={"engines": 1, "num_cpus_per_engine": 1})
+                    ray={"num_cpus_per_engine": 1})
     with caplog.at_level("INFO", logger="batchembed.executors.ray"):
         stats = run_job(spec, show_progress=False)
     assert stats.tasks_run == 2 and stats.engines == 1 and stats.rows == 40

@@ -16,6 +16,7 @@ from .. import fidelity, interrupts
 from ..errors import EngineFailure, RunError
 from ..pipeline import Pipeline
 from ..stats import WorkerReport
+from .schedule import Restarts
 
 if TYPE_CHECKING:
     from ..embed.engine import Engine, EngineKey
@@ -92,12 +93,13 @@ class Worker:
     places it) and closed by close()."""
 
     def __init__(self, p: Prepared, engine=None, replica: int = 0, replicas: int = 1, start_lock=None,
-                 reference: fidelity.ReferenceFile | None = None):
+                 reference: fidelity.ReferenceFile | None = None, restarts: Restarts | None = None, slot: int = 0):
+        """`restarts`: the run's budget of engine restarts (schedule.Restarts), this worker's `slot` in it."""
         self.p, self.given, self.replica, self.replicas = p, engine, replica, replicas
         self.start_lock, self.reference = start_lock, reference
+        self.restarts, self.slot = restarts or Restarts(p.spec.engine.max_restarts), slot
         self.own = None
         self.start_seconds: float | None = None
-        self.restarts = 0
         self.pipeline = Pipeline(p, self._engine, self._replace)
 
     def _engine(self):
@@ -111,18 +113,16 @@ class Worker:
         return engine
 
     def _replace(self, old, failure: EngineFailure):
-        """A new engine for one that died or hung, up to engine.max_restarts in this worker's life."""
-        limit = self.p.spec.engine.max_restarts
+        """A new engine for one that died or hung, from the run's budget of engine.max_restarts."""
         if self.given is not None or interrupts.requested():
             raise failure  # an engine we were handed is not ours to replace; a stopping run stops
-        self.restarts += 1
         old.kill()
         self.own = None
-        if self.restarts > limit:
-            raise RunError(f"the engine failed {self.restarts} times in this run (engine.max_restarts: {limit}), "
-                           f"last: {failure}; committed parts are kept, a rerun resumes")
-        log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, self.restarts,
-                    limit)
+        n = self.restarts.take(self.slot)
+        if n is None:
+            raise self.restarts.exhausted(str(failure))
+        log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, n,
+                    self.restarts.limit)
         t0 = time.perf_counter()
         try:
             self.own = start_engine(self.p, self.replica, self.replicas, self.start_lock, self.reference)

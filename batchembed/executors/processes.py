@@ -31,10 +31,12 @@ from ..errors import RunError
 from ..logs import exit_now, json_logging, setup_logging
 from ..stats import RunResult, WorkerReport, combine
 from .base import ARCHITECTURES_ENV, ends_after_run
+from .schedule import WAIT, Restarts
 
 if TYPE_CHECKING:
     from ..job import Prepared
     from ..plan import Task
+    from .schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,8 @@ def _share_cores(replicas: int) -> None:
 
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, conn,
-            start_lock: str, stop, spawned_at: float, reference, run_pid: int) -> None:
+            start_lock: str, stop, spawned_at: float, reference, run_pid: int, restart_counts,
+            run: str | None) -> None:
     procguard.die_with_parent()  # with the forkserver
     # its parent is the forkserver, which outlives the run while any engine process lives: a
     # process waiting for its next part from a run killed outright would wait for ever, holding
@@ -140,6 +143,7 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
 
         process_ends_after_run()  # _exit_now, below
         p = prepare(JobSpec.model_validate(spec), check_output=False, warn=False)
+        p.run = run
         serial = contextlib.nullcontext()
         if os.environ.get(SERIAL_START_ENV):
             serial = _FileLock(start_lock)
@@ -148,7 +152,8 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
 
         log.info("engine process %d: %.1f s from its start to its plan (vLLM imported once for all engines "
                  "in %.1f s)", replica, time.time() - spawned_at, preload.IMPORT_SECONDS)
-        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference)
+        worker = Worker(p, replica=replica, replicas=replicas, start_lock=serial, reference=reference,
+                        restarts=Restarts(p.spec.engine.max_restarts, restart_counts), slot=replica + 1)
         try:
             worker.run(_Tasks(replica, line, {t.part_id: t for t in p.tasks}),
                        lambda step: line.send(("progress", replica, step)), stop)
@@ -186,10 +191,10 @@ class _FileLock:
         self._f.close()  # releases the lock
 
 
-def run_in_processes(p: Prepared, pending: list[Task], progress, replicas: int, reference=None) -> RunResult:
-    """Run the pending tasks on `replicas` engine processes, which check their engines against
+def run_in_processes(p: Prepared, schedule: Schedule, progress, replicas: int, reference=None) -> RunResult:
+    """Run the schedule's parts on `replicas` engine processes, which check their engines against
     `reference` (fidelity.Reference), if given. Raises RunError if any fails."""
-    result, error = _supervise(p, pending, progress, replicas, reference)
+    result, error = _supervise(p, schedule, progress, replicas, reference)
     if result.tail_seconds is not None:
         log.info("the first engine to run out of parts waited %.1f s for the last (one window's work: %.1f s)",
                  result.tail_seconds, result.window_seconds or 0.0)
@@ -248,26 +253,22 @@ def _stop_forkserver() -> None:
         server._stop()  # noqa: SLF001 - reaps it and removes its socket
 
 
-def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
+def _supervise(p: Prepared, schedule: Schedule, progress, replicas: int,
                reference) -> tuple[RunResult, str | None]:
     """Hand parts to the workers as they ask, until none is left. A worker process that dies
-    without reporting (the OOM killer, a crash) is replaced, up to engine.max_restarts in the
-    run; the parts it had taken and not committed go back to the list for whoever asks next."""
+    without reporting (the OOM killer, a crash) is replaced from the run's restart budget; the
+    parts it had taken and not committed go back to the list for whoever asks next."""
     ctx = _context()
     lines: dict[int, object] = {}  # replica -> the parent's end of its process's pipe (the child's is a _Line)
     stop = _Flag(ctx)  # set by any worker's failure, or by us
+    # the run's restart budget: slot 0 the supervisor's, slot i + 1 engine process i's (each writes its own)
+    counts = ctx.RawArray("i", replicas + 1)
     workdir = tempfile.TemporaryDirectory(prefix=scratch.prefix("engines"))
     start_lock = os.path.join(workdir.name, "start.lock")
     open(start_lock, "wb").close()
-    # the largest parts first, the smallest last: the engines run out of work at nearly the same
-    # moment, each finishing a small part (longest-processing-time-first); taken from the end
-    todo = [t.part_id for t in sorted(pending, key=lambda t: -t.num_rows)]
-    todo.reverse()
-    taken: dict[int, list[str]] = {i: [] for i in range(replicas)}
-    names = {t.part_id: p.out.part_name(t) for t in pending}
-    by_id = {t.part_id: t for t in pending}
     spec = p.spec.model_dump(mode="json")
     level = logging.getLogger("batchembed").getEffectiveLevel()
+    schedule.restarts = Restarts(schedule.restarts.limit, counts)
 
     def start(i: int):
         global _engines_started
@@ -275,7 +276,8 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
         ours, theirs = ctx.Pipe(duplex=True)
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
                         args=(spec, i, replicas, level, json_logging(), theirs, start_lock, stop,
-                              time.time(), reference.file() if reference else None, os.getpid()))
+                              time.time(), reference.file() if reference else None, os.getpid(), counts,
+                              p.run))
         w.start()
         theirs.close()  # the child's end lives in the child only: its death reads as EOF here
         old = lines.pop(i, None)
@@ -288,11 +290,19 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
         with contextlib.suppress(OSError):  # a worker that died meanwhile: the check below
             lines[i].send(part)
 
+    def give(i: int) -> bool:
+        """Answer replica i's ask with a part or None; False: every part left is held by another run."""
+        task = None if stop.is_set() else schedule.take(i)
+        if task is WAIT:
+            return False
+        answer(i, None if task is None else task.part_id)
+        return True
+
     reports = []
-    restarts = 0
     t0 = time.perf_counter()
     workers = []
     done: set[int] = set()
+    waiting: set[int] = set()  # replicas asking while every part left is held by another run
     error = None
     try:
         for i in range(replicas):  # the first waits for the forkserver's import
@@ -313,13 +323,14 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
                         listening.discard(by_line[id(conn)])
             else:
                 time.sleep(0.2)
+            for i in sorted(waiting):
+                if give(i):
+                    waiting.discard(i)
             for msg in messages:
                 kind, replica = msg[0], msg[1]
                 if kind == "want":
-                    part = None if stop.is_set() or not todo else todo.pop()
-                    if part is not None:
-                        taken[replica].append(part)
-                    answer(replica, part)
+                    if not give(replica):
+                        waiting.add(replica)
                 elif kind == "progress":
                     progress(msg[2])
                 elif kind == "error":
@@ -327,25 +338,23 @@ def _supervise(p: Prepared, pending: list[Task], progress, replicas: int,
                     error = f"engine process {replica}: {msg[2]}"
                 elif kind == "done":
                     done.add(replica)
+                    schedule.finished(replica)
                     reports.append(msg[2])
             for i in [i for i, w in enumerate(workers) if i not in done and not w.is_alive()]:
                 if error is not None:
                     break
-                # what it committed stands (read back as a resume would); the rest is lost
-                mine = [by_id[x] for x in taken[i]]
-                committed = p.out.state(mine, p.fingerprint.with_digest(), []).done
-                reports.append(WorkerReport(records={names[t.part_id]: committed[t.index] for t in mine
-                                                     if t.index in committed}))
-                lost = [t.part_id for t in mine if t.index not in committed]
-                restarts += 1
+                # what it committed stands (read back as a resume would); the rest goes back
+                before = len(schedule.todo)
+                reports.append(WorkerReport(records=schedule.lose(i)))
+                waiting.discard(i)
                 why = f"engine process {i} died (exit code {workers[i].exitcode}) without reporting"
-                if restarts > p.spec.engine.max_restarts or stop.is_set():
-                    error = f"{why}; committed parts are kept, a rerun resumes"
+                n = None if stop.is_set() else schedule.restarts.take(0)
+                if n is None:
+                    error = str(schedule.restarts.exhausted(why)) if not stop.is_set() else \
+                        f"{why}; committed parts are kept, a rerun resumes"
                     break
                 log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go "
-                            "back to the list", why, restarts, p.spec.engine.max_restarts, len(lost))
-                todo += lost
-                taken[i] = []
+                            "back to the list", why, n, schedule.restarts.limit, len(schedule.todo) - before)
                 workers[i] = start(i)
                 listening.add(i)
     finally:

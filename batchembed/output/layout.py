@@ -9,6 +9,7 @@
     _fidelity.json         the fidelity check's result
     _manifest.json         after every part is committed
     _SUCCESS               last of all: a reader that sees it sees a finished output
+    _runs/, _claims/       live runs' heartbeats and the parts each is embedding (leases.py)
 
 Every file that is not data starts with `_` (or `.`, for a file being written), so pyarrow,
 polars, DuckDB and Spark read the folder as a dataset as it is. Outputs made before the
@@ -41,7 +42,7 @@ from ..storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from . import get_format
+from . import get_format, leases
 from .base import OutputFormat, PartReader, PartWriter
 
 LAYOUT = 2  # output layout version, part of every job's fingerprint: 2 added text_hash
@@ -291,3 +292,4 @@ class OutputFolder:
         self.remove([self.path(SUCCESS), self.path(MANIFEST), self.path(OLD_MANIFEST), *self.commit_paths()])
         self.fmt.clear(self)
         self.remove([*self.error_files(), self.path(CALIBRATION), self.path(FIDELITY)])
+        leases.sweep(self)

@@ -156,6 +156,8 @@ class WriteStage:
                            f"{task.num_rows}")
         name = self.p.out.part_name(task)
         extra = {"calibration": self.calibration.digest} if self.calibration is not None else {}
+        if self.p.run:
+            extra["run"] = self.p.run
         record = commit_record(name, counts, part.histogram, task.input_fingerprint, self.job, **extra)
         self.p.out.commit(part.writer, name, record, part.errors)
         return name, record

@@ -1,0 +1,183 @@
+"""Claims on parts, so that runs meeting on one output share its work instead of each doing all of it.
+
+    _runs/<run>.json      a live run's heartbeat, {"run", "host", "pid", "expires"}, rewritten every
+                          third of output.lease_s while the run lives and removed when it ends
+    _claims/<part>.json   {"run": <run>}: the run embedding that part
+
+A run claims a part before it embeds it. A claim holds while its run's heartbeat is unexpired; a run
+that ends removes its heartbeat and claims, and one killed outright stops beating, so its claims
+lapse within output.lease_s and another run takes its parts over. One heartbeat per run, not one lease
+per part, keeps the writes to one per interval however many parts a run holds.
+
+A new claim is created exclusively: an O_EXCL create on local disk, a conditional PUT (If-None-Match)
+on S3. A lapsed claim is overwritten and read back. Two runs taking over the same lapsed claim at the
+same moment, or a store that ignores the condition, can both embed that part: work done twice, never a
+wrong output, since a part is published whole and identical by either run (layout.py). Expiry compares
+the writer's clock with the reader's: hosts are expected to keep time (NTP) within a few seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from ..procguard import identity, is_alive
+from ..storage import full_url, is_local, read_json, remove, retry, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+RUNS = "_runs"
+CLAIMS = "_claims"
+
+
+class Leases:
+    """This run's heartbeat and claims in the output folder `out` (layout.OutputFolder)."""
+
+    def __init__(self, out, ttl_s: float):
+        self.out, self.ttl = out, float(ttl_s)
+        self.run = uuid.uuid4().hex[:12]
+        self.mine: set[str] = set()  # part names this run claimed
+        self._seen: dict[str, tuple[float, bool]] = {}  # run -> (read at, alive)
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._renew, name="batchembed-leases", daemon=True)
+        self._thread.start()
+
+    # --- this run ----------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        me = identity(os.getpid())
+        write_json_atomic(self.out.fs, self._run_path(self.run),
+                          {"run": self.run, "host": socket.gethostname(), "processes": _process_space(),
+                           "pid": os.getpid(), "started": me[1] if me else None,
+                           "expires": time.time() + self.ttl})
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self._beat()
+            except Exception as e:  # noqa: BLE001 - a missed beat is retried; the claims lapse only after ttl
+                log.warning("could not renew this run's claims in %s: %s", self.out.url, e)
+
+    def close(self) -> None:
+        """Give up every claim and the heartbeat (the run is over, or stopping)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for name in sorted(self.mine):
+            path = self._claim_path(name)
+            if (read_json(self.out.fs, path) or {}).get("run") == self.run:
+                remove(self.out.fs, path)
+        remove(self.out.fs, self._run_path(self.run))
+        self.mine.clear()
+
+    # --- claims ------------------------------------------------------------------------------
+
+    def claim(self, name: str) -> str | None:
+        """Claim part `name` (a part id) for this run: None when it is ours, else the live run that holds it."""
+        if name in self.mine:
+            return None
+        path = self._claim_path(name)
+        record = {"run": self.run}
+        held = read_json(self.out.fs, path)
+        if held is None:
+            if not self._create(path, record):
+                held = read_json(self.out.fs, path) or {}
+                return held.get("run") or "another run"
+        else:
+            holder = held.get("run")
+            if holder != self.run and self.alive(holder):
+                return holder
+            write_json_atomic(self.out.fs, path, record)  # lapsed: taken over
+            log.info("part %s: the claim of run %s lapsed; this run takes it over", name, holder)
+        now = (read_json(self.out.fs, path) or {}).get("run")
+        if now != self.run:
+            return now or "another run"
+        self.mine.add(name)
+        return None
+
+    def holder(self, name: str) -> str | None:
+        """The live run other than this one that holds part `name`, or None."""
+        holder = (read_json(self.out.fs, self._claim_path(name)) or {}).get("run")
+        return holder if holder and holder != self.run and self.alive(holder) else None
+
+    def alive(self, run: str | None) -> bool:
+        """Whether run `run`'s heartbeat is unexpired and, for a run of this host, its process is
+        there: a run killed here is taken over at once, as a rerun after a crash does (read at
+        most once a second per run)."""
+        if not run:
+            return False
+        at, alive = self._seen.get(run, (0.0, False))
+        if time.monotonic() - at > 1.0:
+            alive = _beating(read_json(self.out.fs, self._run_path(run)))
+            self._seen[run] = (time.monotonic(), alive)
+        return alive
+
+    def _create(self, path: str, record: dict) -> bool:
+        """Write `record` at `path` unless something is there: False when something was."""
+        data = (json.dumps(record) + "\n").encode()
+        fs = self.out.fs
+        if is_local(fs):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+
+        def put() -> bool:
+            try:
+                fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except OSError as e:  # s3fs reads S3's 412 Precondition Failed as EINVAL
+                if e.errno == errno.EINVAL and "condition" in str(e).lower():
+                    return False
+                raise
+            except TypeError:  # a filesystem without exclusive writes: the read-back decides
+                fs.pipe_file(path, data)
+            return True
+
+        return retry(put, full_url(fs, path))
+
+    def _claim_path(self, part_id: str) -> str:
+        return self.out.path(f"{CLAIMS}/{part_id}.json")
+
+    def _run_path(self, run: str) -> str:
+        return self.out.path(f"{RUNS}/{run}.json")
+
+
+def sweep(out) -> None:
+    """Once every part is committed: the claims left by runs killed outright, and their lapsed
+    heartbeats, go (a claim on a committed part holds nothing)."""
+    for path in retry(lambda: out.fs.glob(out.path(f"{CLAIMS}/*.json")), out.url):
+        remove(out.fs, path)
+    for path in retry(lambda: out.fs.glob(out.path(f"{RUNS}/*.json")), out.url):
+        if not _beating(read_json(out.fs, path)):
+            remove(out.fs, path)
+
+
+def _beating(beat: dict | None) -> bool:
+    """Whether a heartbeat is unexpired and, for a run of this host, its process is there."""
+    if beat is None or float(beat.get("expires", 0)) <= time.time():
+        return False
+    if beat.get("processes") == _process_space() and beat.get("started"):
+        return is_alive((int(beat["pid"]), beat["started"]))
+    return True
+
+
+def _process_space() -> str:
+    """This host and its process-id namespace: where a heartbeat's pid can be looked up (two
+    containers of one host may share a hostname, never a pid namespace)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{socket.gethostname()}/{ns}"
