@@ -61,17 +61,20 @@ SENTENCES = [
 
 
 BIN = os.path.join(os.path.dirname(sys.executable), "batchembed")
+# batchembed with its engines wrapped in tests/faults.py's fault injection (markers from the environment)
+FAULTY = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults.py")]
 
 
 def start_run(tmp_path: Path, job: dict, stdout=subprocess.DEVNULL, env: dict | None = None, name: str = "run",
-              started=None) -> subprocess.Popen:
-    """`batchembed run` of `job` in a session of its own (as a terminal's foreground job or a
-    scheduler's task), its stderr in tmp_path/<name>.log; returns once `started()` is true (by
-    default: once a part of a local output is committed), or at once when `started` is False."""
+              started=None, command: list[str] | None = None) -> subprocess.Popen:
+    """`batchembed run` of `job` (or `command` run ...) in a session of its own (as a terminal's
+    foreground job or a scheduler's task), its stderr in tmp_path/<name>.log; returns once
+    `started()` is true (by default: once a part of a local output is committed), or at once when
+    `started` is False."""
     import yaml
 
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    proc = subprocess.Popen([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=stdout,
+    proc = subprocess.Popen([*(command or [BIN]), "run", str(tmp_path / "job.yaml"), "--no-progress"], stdout=stdout,
                             stderr=open(tmp_path / f"{name}.log", "w"), env=env, start_new_session=True, text=True)
     if started is False:
         return proc

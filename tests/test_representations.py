@@ -309,7 +309,10 @@ def test_reindex_shards_resume_ray_and_lance_keep_every_representation(tmp_path,
     write_parquet(tmp_path / "in3" / "f1.parquet", {"id": list(range(20, 40)), "text": hung[20:]}, row_group_size=10)
     killed = tmp_path / "killed"
     spec = yaml.safe_load(job(tmp_path / "in3", models["bge-m3"], killed, outputs).read_text())
-    proc = start_run(tmp_path, spec, env={**os.environ, "BATCHEMBED_TEST_HANG_TOKEN": str(marker)})
+    from faults import HANG
+    from helpers import FAULTY
+
+    proc = start_run(tmp_path, spec, env={**os.environ, HANG: str(marker)}, command=FAULTY)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (killed / "_SUCCESS").exists()

@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -40,18 +39,6 @@ from .vllm_import import imports_frozen, inspect_here, unfreeze_heap, unused_pac
 from .watchdog import Watchdog, child_pids, kill_tree, tree, wait_gone
 
 log = logging.getLogger(__name__)
-
-# Tests only: a step holding a sequence with this token id fails, as a step fails on a row the
-# model cannot take (fault injection for the poison-row handling). Unset: no effect.
-REJECT_TOKEN_ENV = "BATCHEMBED_TEST_REJECT_TOKEN"
-# Tests only: a step holding a sequence with this token id never returns, as a hung kernel's step
-# (fault injection for an engine in this process, which the watchdog cannot wake). Unset: no effect.
-HANG_TOKEN_ENV = "BATCHEMBED_TEST_HANG_TOKEN"
-# Tests only: the first step in this process holding a sequence with this token id fails as a
-# crashed engine's step does (fault injection for an engine in this process, which cannot be
-# killed apart from the run). Unset: no effect.
-FAIL_TOKEN_ENV = "BATCHEMBED_TEST_FAIL_TOKEN"
-_failed_steps: list[int] = []  # FAIL_TOKEN_ENV's failure, once per process
 
 
 @dataclass(frozen=True)
@@ -294,12 +281,6 @@ class Engine:
         self.calls = 0  # submissions made: a run that only reuses vectors makes none
         self.watchdog = Watchdog(self.processes, lambda: bool(self._slots), self._wake, spec.stall_timeout_s,
                                  in_process=self.in_process, queued=self._queued, before_exit=self._remove_scratch)
-        reject, hang, fail = (os.environ.get(k) for k in (REJECT_TOKEN_ENV, HANG_TOKEN_ENV, FAIL_TOKEN_ENV))
-        self._reject = int(reject) if reject else None
-        self._hang = int(hang) if hang else None
-        self._fail = int(fail) if fail and not _failed_steps else None
-        self._rejected: set[str] = set()
-        self._failing: set[str] = set()
 
     def submit(self, token_ids: list[list[int]]) -> "Pending":
         """Queue sequences on the engine and return at once; `step` fills the result.
@@ -317,13 +298,6 @@ class Engine:
         for i, seq in enumerate(token_ids):
             rid = str(next(ids))
             slots[rid] = (pending, i, seq)
-            if self._reject is not None and self._reject in seq:
-                self._rejected.add(rid)
-            if self._fail is not None and self._fail in seq:
-                self._failing.add(rid)
-            if self._hang is not None and self._hang in seq:
-                log.warning("%s: this step will never return (a test's fault injection)", HANG_TOKEN_ENV)
-                threading.Event().wait()
             try:
                 add(rid, self._prompt(seq), params)
             except Exception as e:  # noqa: BLE001 - vLLM validates each request as it is added
@@ -343,16 +317,8 @@ class Engine:
             lost = len(self._slots)
             self.abort()
             raise RunError(f"the engine finished its requests but {lost} vectors never came back")
-        if self._rejected & self._slots.keys():
-            self.abort()
-            raise RequestFailure(f"the step failed on a sequence carrying token {self._reject} "
-                                 f"({REJECT_TOKEN_ENV}, a test's fault injection)")
         t0 = time.perf_counter()
         try:
-            if self._failing & self._slots.keys():
-                _failed_steps.append(1)
-                raise RuntimeError(f"the step failed on a sequence carrying token {self._fail} "
-                                   f"({FAIL_TOKEN_ENV}, a test's fault injection)")
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - a dead engine raises many kinds, or was woken by the watchdog
             raise EngineFailure(self.watchdog.failure or f"{type(e).__name__}: {e}") from e
@@ -409,8 +375,6 @@ class Engine:
 
     def abort(self) -> None:
         """Drop every queued sequence (after a failure, so a reused engine starts clean)."""
-        self._rejected.clear()
-        self._failing.clear()
         if self._slots:
             ids, self._slots = list(self._slots), {}
             try:
