@@ -124,6 +124,7 @@ def validate(job_file, overrides):
     p = prepare(_load(job_file, overrides), all_problems=True)
     click.echo(f"ok: {p.spec.name}: model {p.model.path} (dim {p.model.dimension}, max_length {p.max_length}), "
                f"{len(p.files)} files, {sum(f.num_rows for f in p.files):,} rows, {len(p.tasks)} parts")
+    click.echo(f"engine: {p.settings.describe()}")
 
 
 @cli.command()
@@ -155,6 +156,7 @@ def plan(job_file, overrides, as_json):
         "rows_pending": sum(t.num_rows for t in p.tasks if t.index not in done),
         "complete": bool(state and state.complete),
         "output": p.spec.output.uri,
+        "engine": p.settings.as_dict(),
     }
     if p.failed:
         info["unreadable_files"] = [f["file"] for f in p.failed]
@@ -163,6 +165,7 @@ def plan(job_file, overrides, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
+    info["engine"] = p.settings.describe()
     for k, v in info.items():
         click.echo(f"{k:>13}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>13}: {v}")
 

@@ -240,8 +240,9 @@ class RaySpec(_Strict):
     engines: int | None = Field(None, ge=1, description="deprecated: engine.data_parallel, which counts the "
                                 "engine actors as it counts engine processes; read as it, with a warning")
     num_cpus_per_engine: float = Field(1, gt=0, description="CPUs Ray reserves for each engine actor")
-    num_gpus_per_engine: float = Field(0, ge=0, description="1 for one GPU each; 0.25 packs four per GPU "
-                                       "(then set engine.gpu_memory_utilization to about 0.2)")
+    num_gpus_per_engine: float = Field(0, ge=0, description="1 for one GPU each; 0.25 packs four per GPU, "
+                                       "each with that share of its memory (unless engine.gpu_memory_utilization "
+                                       "says otherwise)")
     start_timeout_s: float = Field(300, gt=0, description="how long the engine actors may wait for the "
                                    "cluster's CPUs and GPUs (an autoscaler adding nodes) before the run stops "
                                    "with exit 1 naming what was asked and what the cluster has; a local Ray "

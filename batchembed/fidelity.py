@@ -97,7 +97,7 @@ def inherit(p: Prepared) -> dict | None:
     prev = p.previous
     if prev is None or not prev.usable:
         return None
-    theirs = prev.manifest.get("fidelity") or {}
+    theirs = prev.manifest.fidelity or {}
     found = versions()
     if (theirs.get("status") != "passed" or theirs.get("versions") != found
             or theirs.get("dtype") != engine_dtype(p, found)

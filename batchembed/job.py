@@ -18,6 +18,7 @@ from . import inputs, storage
 from .config import JobSpec
 from .embed.heads import document_marker
 from .embed.matryoshka import column_names
+from .embed.settings import EngineSettings, resolve
 from .embed.tokenizer import Tokenizer, model_tokenizer
 from .embed.vectors import MULTI_VECTOR, PACKED, SPARSE, SPARSE_TYPE, multi_vector_type, vector_type
 from .errors import JobError, RunError
@@ -89,6 +90,7 @@ class Prepared:
     failed: list[dict] = field(default_factory=list)  # unreadable inputs, with on_error: skip
     previous: Any = None  # reuse.Previous: the output whose vectors may be reused (incremental)
     run: str | None = None  # this run's id (output/leases.py), named in each part's commit record
+    settings: EngineSettings | None = None  # the engines', resolved once (embed/settings.py)
 
     @property
     def output_schema(self) -> pa.Schema:
@@ -330,8 +332,20 @@ def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True
     for w in warnings if warn else ():
         log.warning(w)
     fmt, in_fs, _, files, failed = read
-    return Prepared(spec, model, max_length, dims, files, make_tasks(files, spec.output.rows_per_part), fmt, in_fs,
-                    out, fp, warnings, failed, previous)
+    tasks = make_tasks(files, spec.output.rows_per_part)
+    return Prepared(spec, model, max_length, dims, files, tasks, fmt, in_fs, out, fp, warnings, failed, previous,
+                    settings=engine_settings(spec, model, max_length, len(tasks)))
+
+
+def engine_settings(spec: JobSpec, model: ModelInfo, max_length: int, parts: int) -> EngineSettings:
+    """The run's engine settings, before any engine starts: on this host, or for Ray's actors, on
+    GPUs when they ask for any (a share of one each with ray.num_gpus_per_engine below 1)."""
+    engines = max(1, min(spec.engine.data_parallel, parts))
+    if spec.executor == "ray":
+        gpus = spec.ray.num_gpus_per_engine
+        return resolve(model, spec.model.dtype, max_length, spec.engine, engines, device="cuda" if gpus else "cpu",
+                       per_engine_gpus=gpus or None)
+    return resolve(model, spec.model.dtype, max_length, spec.engine, engines)
 
 
 def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:

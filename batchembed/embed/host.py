@@ -109,6 +109,28 @@ def _cpu_allocator() -> None:
     log.info("CPU engine: preloading %s for its processes", lib)
 
 
+def visible_gpus() -> list[str]:
+    """The NVIDIA GPUs this process may use, by index or id (CUDA_VISIBLE_DEVICES, else every GPU
+    the driver lists), read without importing torch: none on a machine without the driver."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+    return [str(i) for i in range(len(glob.glob("/proc/driver/nvidia/gpus/*")))]
+
+
+def gpu_name() -> str | None:
+    """The first NVIDIA GPU's model name, as the driver gives it (e.g. NVIDIA H100 80GB HBM3)."""
+    for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
+        try:
+            with open(info) as f:
+                for line in f:
+                    if line.startswith("Model:"):
+                        return line.partition(":")[2].strip()
+        except OSError:
+            continue
+    return None
+
+
 def placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str], int]:
     """Environment that pins one of several engine replicas, and how many share its device.
 

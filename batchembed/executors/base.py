@@ -41,7 +41,8 @@ def start_engine(p: Prepared, replica: int = 0, replicas: int = 1, lock=None,
     try:
         with lock if lock is not None else contextlib.nullcontext():
             engine = Engine(p.model, p.spec.model.dtype, p.max_length, p.spec.engine, replica, replicas,
-                            cpu_wait=reference.result if reference is not None else None, outputs=p.outputs)
+                            cpu_wait=reference.result if reference is not None else None, outputs=p.outputs,
+                            settings=p.settings)
         try:
             fidelity.ensure(p, engine, reference)
         except BaseException:

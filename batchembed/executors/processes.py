@@ -125,7 +125,7 @@ def _share_cores(replicas: int) -> None:
 
 def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bool, conn,
             start_lock: str, stop, spawned_at: float, reference, run_pid: int, restart_counts,
-            run: str | None) -> None:
+            run: str | None, settings: dict) -> None:
     procguard.die_with_parent()  # with the forkserver
     # its parent is the forkserver, which outlives the run while any engine process lives: a
     # process waiting for its next part from a run killed outright would wait for ever, holding
@@ -138,12 +138,14 @@ def _worker(spec: dict, replica: int, replicas: int, log_level: int, as_json: bo
     line = _Line(conn)
     try:
         from ..config import JobSpec
+        from ..embed.settings import EngineSettings
         from ..job import prepare
         from .base import Worker, process_ends_after_run
 
         process_ends_after_run()  # _exit_now, below
         p = prepare(JobSpec.model_validate(spec), check_output=False, warn=False)
         p.run = run
+        p.settings = EngineSettings.from_dict(settings)  # the run's, as resolved once
         serial = contextlib.nullcontext()
         if os.environ.get(SERIAL_START_ENV):
             serial = _FileLock(start_lock)
@@ -277,7 +279,7 @@ def _supervise(p: Prepared, schedule: Schedule, progress, replicas: int,
         w = ctx.Process(target=_worker, name=f"batchembed-engine-{i}", daemon=False,
                         args=(spec, i, replicas, level, json_logging(), theirs, start_lock, stop,
                               time.time(), reference.file() if reference else None, os.getpid(), counts,
-                              p.run))
+                              p.run, p.settings.as_dict()))
         w.start()
         theirs.close()  # the child's end lives in the child only: its death reads as EOF here
         old = lines.pop(i, None)

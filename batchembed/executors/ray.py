@@ -69,13 +69,15 @@ class _AskBudget(Restarts):
 class EngineActor:
     """One Worker in a Ray actor."""
 
-    def __init__(self, spec: dict, budget, slot: int, run: str | None):
+    def __init__(self, spec: dict, budget, slot: int, run: str | None, settings: dict):
         from ..config import JobSpec
+        from ..embed.settings import EngineSettings
         from ..job import prepare
         from .base import Worker
 
         self.p = prepare(JobSpec.model_validate(spec), check_output=False, warn=False)
         self.p.run = run
+        self.p.settings = EngineSettings.from_dict(settings)  # the run's, as the driver resolved them
         self.tasks = {t.part_id: t for t in self.p.tasks}
         self.worker = Worker(self.p, restarts=_AskBudget(self.p.spec.engine.max_restarts, budget), slot=slot)
         self.node = socket.gethostname()
@@ -140,7 +142,7 @@ def _drive(ray, p: Prepared, schedule: Schedule, progress, local: bool) -> RunRe
     # Ray's own actor restarts are off: a lost actor is replaced here, where its parts are known
     actor_cls = ray.remote(num_cpus=cfg.num_cpus_per_engine, num_gpus=cfg.num_gpus_per_engine,
                            max_restarts=0, max_task_retries=0)(EngineActor)
-    spec = p.spec.model_dump(mode="json")
+    spec, settings = p.spec.model_dump(mode="json"), p.settings.as_dict()
     actors: dict[int, object] = {}
     starting: dict[object, tuple[int, float]] = {}  # ready() ref -> (slot, when asked)
     running: dict[object, tuple[int, str]] = {}  # run_part ref -> (slot, part)
@@ -150,7 +152,7 @@ def _drive(ray, p: Prepared, schedule: Schedule, progress, local: bool) -> RunRe
     closed: set[int] = set()
 
     def start(i: int) -> None:
-        actors[i] = actor_cls.remote(spec, budget, i + 1, p.run)
+        actors[i] = actor_cls.remote(spec, budget, i + 1, p.run, settings)
         starting[actors[i].ready.remote()] = (i, time.monotonic())
 
     def lost(i: int, why: str) -> None:

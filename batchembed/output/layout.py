@@ -44,6 +44,7 @@ from ..storage import (
 )
 from . import get_format, leases
 from .base import OutputFormat, PartReader, PartWriter
+from .manifest import Manifest, parse
 
 LAYOUT = 2  # output layout version, part of every job's fingerprint: 2 added text_hash
 COMMITS = "_commits"
@@ -84,8 +85,8 @@ class OutputFolder:
             raise JobError(f"{key}: {uri} is a file, not an output folder")
         if fmt is None:
             folder = cls(fs, root, get_format("parquet"))
-            manifest = folder.read_manifest() or {}
-            fmt = manifest.get("format") or (
+            manifest = folder.read_manifest()
+            fmt = manifest.format if manifest is not None else (
                 "lance" if retry(lambda: fs.exists(folder.path("_versions")), folder.url) else "parquet")
         return cls(fs, root, get_format(fmt))
 
@@ -197,8 +198,13 @@ class OutputFolder:
     def read_commit(self, part_name: str) -> dict | None:
         return read_json(self.fs, self._commit_path(part_name))
 
-    def read_manifest(self) -> dict | None:
-        return self.read_json(MANIFEST) or self.read_json(OLD_MANIFEST)
+    def read_manifest(self) -> Manifest | None:
+        """The manifest (output/manifest.py), an older version's migrated; None where there is none."""
+        for name in (MANIFEST, OLD_MANIFEST):
+            found = self.read_json(name)
+            if found:
+                return parse(found, self.url_of(name))
+        return None
 
     def finished(self) -> bool:
         return retry(lambda: self.fs.exists(self.path(SUCCESS)), self.url)
@@ -209,10 +215,10 @@ class OutputFolder:
         commit_paths, present = self.commit_paths(), self.fmt.parts(self)
         manifest = self.read_manifest()
         records = [r for r in (read_json(self.fs, c) for c in commit_paths) if r]
-        foreign = [r for r in records + ([manifest] if manifest else [])
-                   if r.get("job", {}).get("digest", "") != job["digest"]]
+        jobs = [r.get("job", {}) for r in records] + ([manifest.job] if manifest else [])
+        foreign = [j for j in jobs if j.get("digest", "") != job["digest"]]
         if foreign:
-            theirs = {"layout": 1, **{k: v for k, v in foreign[0]["job"].items() if k != "digest"}}  # 1: no text_hash
+            theirs = {"layout": 1, **{k: v for k, v in foreign[0].items() if k != "digest"}}  # 1: no text_hash
             current = {k: v for k, v in job.items() if k != "digest"}
             raise JobError(f"output.uri {self.url} holds embeddings made by a different job "
                            f"({_job_diff(theirs, current)}); rerun with --overwrite to replace them, "
@@ -272,9 +278,9 @@ class OutputFolder:
         for name in (SUCCESS, MANIFEST, OLD_MANIFEST):
             remove(self.fs, self.path(name))
 
-    def finish(self, manifest: dict, success: bool) -> None:
+    def finish(self, manifest: Manifest, success: bool) -> None:
         """The manifest, then (when nothing failed) _SUCCESS, last of all."""
-        self.write_json(MANIFEST, manifest)
+        self.write_json(MANIFEST, manifest.to_json())
         if success:
             write_bytes_atomic(self.fs, self.path(SUCCESS), b"")
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..embed.settings import EngineSettings
 from ..embed.vectors import vector_matrix
 from ..errors import RunError
 from ..output.layout import OutputFolder
@@ -32,8 +33,8 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
     schema = footers[0][1]
     norms: dict[str, list[np.ndarray]] = {}
     sizes: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # sparse / multi-vector: (entries, bytes) per row
-    extras = [e["column"] for r in ("sparse", "multi_vector") if (e := ((manifest or {}).get("embedding") or {})
-                                                                   .get(r))]
+    extras = [e["column"] for r in ("sparse", "multi_vector")
+              if manifest is not None and (e := getattr(manifest.embedding, r))]
     sample: list[dict] = []
     def enough() -> bool:  # norm statistics need only the first norm_rows vectors
         return any(sum(len(n) for n in v) >= norm_rows for v in norms.values())
@@ -75,7 +76,8 @@ def inspect_output(uri: str, storage_options: dict[str, Any] | None = None, samp
                               "rows_checked": int(len(n))})
         columns.append(entry)
     return {"output": uri, "format": out.fmt.name, "finished": out.finished(), "parts": len(parts),
-            "rows": rows, "columns": columns, "sample": sample, "manifest": manifest}
+            "rows": rows, "columns": columns, "sample": sample,
+            "manifest": manifest.to_json() if manifest is not None else None}
 
 
 def _shown(v):
@@ -113,6 +115,8 @@ def render(info: dict) -> str:
         lines.append(f"model {m['model']['name']} ({m['model']['hash'][:19]}), dtype {m['model']['dtype']}, "
                      f"max_length {m['model']['max_length']}, prefix {m['model']['prefix']!r}; "
                      f"made {m.get('created_at')} by batchembed {m['tool']['version']}")
+        if m.get("engine"):
+            lines.append(f"engine: {EngineSettings.from_dict(m['engine']).describe()}")
         c = m["counts"]
         lines.append(f"counts: {c['rows']:,} rows, {c['embedded']:,} embedded, {c['nulls']:,} null, "
                      f"{c['truncated']:,} truncated, {c['tokens']:,} tokens, "

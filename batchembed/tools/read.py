@@ -22,7 +22,8 @@ from ..output.layout import MANIFEST, SUCCESS, OutputFolder
 
 def read_output(uri: str, storage_options: dict[str, Any] | None = None, columns: list[str] | None = None,
                 unfinished: bool = False) -> tuple[pa.Table, dict]:
-    """(every row of a finished output, its manifest). Refuses (RunError) an output without
+    """(every row of a finished output, its manifest: the JSON object of the current version, an
+    older output's migrated, output/manifest.py). Refuses (RunError) an output without
     _SUCCESS unless `unfinished`, when the parts committed so far are read."""
     out = OutputFolder.open(uri, storage_options, key="OUTPUT_URI")
     manifest = out.read_manifest()
@@ -35,7 +36,7 @@ def read_output(uri: str, storage_options: dict[str, Any] | None = None, columns
             tables.append(part.read(columns))
     if not tables:
         raise RunError(f"no parts at {out.url}")
-    return pa.concat_tables(tables, promote_options="permissive"), manifest or {}
+    return pa.concat_tables(tables, promote_options="permissive"), manifest.to_json() if manifest else {}
 
 
 def query_vector(manifest: dict, vector, dimension: int | None = None) -> np.ndarray:

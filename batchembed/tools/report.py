@@ -120,17 +120,17 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
     manifest = out.read_manifest()
     if manifest is None:
         raise JobError(f"no {MANIFEST} at {out.url}: not a finished batchembed output")
-    emb, counts, run = manifest["embedding"], manifest["counts"], manifest.get("last_run") or {}
+    emb, counts, run = manifest.embedding, manifest.counts, manifest.last_run
     sections = []
 
-    hist = manifest.get("token_histogram")
+    hist = manifest.token_histogram
     if hist and sum(hist["counts"]):
         width = hist["bin_width"]
         xs = [i * width for i in range(len(hist["counts"]))]
         sections.append(("Token lengths of the embedded rows",
                          _svg("bar", "token-lengths", xs, [float(c) for c in hist["counts"]],
                               f"tokens (bins of {width})", "rows") +
-                         f"<p>{counts.get('truncated', 0):,} rows truncated at {manifest['model']['max_length']} "
+                         f"<p>{counts.get('truncated', 0):,} rows truncated at {manifest.model.max_length} "
                          f"tokens, {counts.get('chunked', 0):,} chunked.</p>"))
     else:
         sections.append(("Token lengths of the embedded rows", "<p>Not recorded by the run that made this output.</p>"))
@@ -145,16 +145,16 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
     else:
         sections.append(("Engine throughput over the last run", "<p>The last run embedded nothing (or did not record it).</p>"))
 
-    columns = {int(d): c for d, c in emb["columns"].items()}
+    columns = dict(emb.columns)
     full_d = max(columns, default=0)
     written = counts.get("rows", 0) - counts.get("nulls", 0) - counts.get("failed_rows", 0)
-    if emb.get("sparse"):
+    if emb.sparse:
         sections.append(("Sparse weights", f"<p>{counts.get('sparse_weights', 0):,} non-zero weights in "
-                         f"{emb['sparse']['column']}, {counts.get('sparse_weights', 0) / max(written, 1):,.1f} per "
-                         f"row; {counts.get('sparse_pruned', 0):,} pruned (top_k {emb['sparse'].get('top_k')}, "
-                         f"min_weight {emb['sparse'].get('min_weight')}).</p>"))
-    if emb.get("multi_vector"):
-        mv = emb["multi_vector"]
+                         f"{emb.sparse['column']}, {counts.get('sparse_weights', 0) / max(written, 1):,.1f} per "
+                         f"row; {counts.get('sparse_pruned', 0):,} pruned (top_k {emb.sparse.get('top_k')}, "
+                         f"min_weight {emb.sparse.get('min_weight')}).</p>"))
+    if emb.multi_vector:
+        mv = emb.multi_vector
         per_row = counts.get("multi_vectors", 0) / max(written, 1)
         width = {"float32": 4, "float16": 2, "int8": 1}[mv["dtype"]] * mv["dimension"]
         sections.append(("Multi-vectors", f"<p>{counts.get('multi_vectors', 0):,} token vectors of "
@@ -162,7 +162,7 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
                          f"{per_row * width:,.0f} bytes a row as {mv['dtype']}.</p>"))
     if not columns:
         pass  # no dense vectors: no Matryoshka section
-    elif emb["output_dtype"] in ("float32", "float16"):
+    elif emb.output_dtype in ("float32", "float16"):
         vectors = sample_vectors(out, columns[full_d], sample_rows)
         dims = sorted({d for d in columns} | {2 ** i for i in range(4, 16) if 2 ** i < full_d})
         recall = matryoshka_recall(vectors, dims) if len(vectors) > 11 else {}
@@ -176,21 +176,21 @@ def build_report(uri: str, storage_options: dict[str, Any] | None = None, sample
                                   "dimensions", "recall@10", y_max=1.0) +
                              '<table id="matryoshka-table"><tr><th>dims</th><th>recall@10</th><th>float32 B/row</th>'
                              "<th>float16</th><th>int8</th><th>binary</th><th></th></tr>" + rows + "</table></div>"
-                             + ("" if manifest["model"].get("is_matryoshka") else
+                             + ("" if manifest.model.is_matryoshka else
                                 "<p>The model does not declare Matryoshka training: recall drops faster "
                                 "below its full width than for a model trained for it.</p>")))
         else:
             sections.append(("Matryoshka", "<p>Too few rows to sample.</p>"))
     else:
-        sections.append(("Matryoshka", f"<p>The vectors are {emb['output_dtype']}; the chart needs float ones.</p>"))
+        sections.append(("Matryoshka", f"<p>The vectors are {emb.output_dtype}; the chart needs float ones.</p>"))
 
-    title = f"batchembed report: {manifest['name']}"
-    facts = [("output", out.url), ("model", manifest["model"].get("name")),
+    title = f"batchembed report: {manifest.name}"
+    facts = [("output", out.url), ("model", manifest.model.name),
              ("rows", f"{counts['rows']:,}"), ("embedded", f"{counts.get('embedded', 0):,}"),
              ("failed in the engine", f"{counts.get('failed_rows', 0):,} (listed in _errors/)"),
              ("dimensions", ", ".join(str(d) for d in sorted(columns, reverse=True))),
-             ("stored as", emb["output_dtype"]), ("made", manifest.get("created_at")),
-             ("complete", str(manifest.get("complete")))]
+             ("stored as", emb.output_dtype), ("made", manifest.created_at),
+             ("complete", str(manifest.complete))]
     body = "".join(f"<section><h2>{html.escape(h)}</h2>{content}</section>" for h, content in sections)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -203,6 +203,6 @@ section {{ margin-top: 2em; }} .side svg {{ flex: none; }}
 <h1>{html.escape(title)}</h1>
 <table class="facts">{"".join(f"<tr><td>{k}</td><td>{html.escape(str(v))}</td></tr>" for k, v in facts)}</table>
 {body}
-<script type="application/json" id="manifest">{_script_json({k: manifest.get(k) for k in ("name", "counts", "embedding", "last_run")})}</script>
+<script type="application/json" id="manifest">{_script_json({k: manifest.to_json()[k] for k in ("name", "counts", "embedding", "last_run")})}</script>
 </body></html>
 """

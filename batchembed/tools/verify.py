@@ -47,26 +47,27 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
     problems: list[str] = []
     if not out.finished():
         problems.append(f"no {SUCCESS}: the output is unfinished" +
-                        (f" ({len(manifest.get('failed', []))} input files failed)" if manifest.get("failed") else ""))
-    columns = manifest["embedding"]["columns"]
-    packed = manifest["embedding"].get("packed_bits", False)  # binary / ubinary: 8 dimensions a byte, no norm
-    quantized = packed or manifest["embedding"]["output_dtype"] in SCALAR  # no norm to check
-    tol = 1e-2 if manifest["embedding"]["output_dtype"] == "float16" else 1e-3
-    listed = {p["name"]: p for p in manifest["parts"]}
-    extras = {r: manifest["embedding"][r] for r in ("sparse", "multi_vector") if manifest["embedding"].get(r)}
+                        (f" ({len(manifest.failed)} input files failed)" if manifest.failed else ""))
+    emb = manifest.embedding
+    columns = emb.columns
+    packed = emb.packed_bits  # binary / ubinary: 8 dimensions a byte, no norm
+    quantized = packed or emb.output_dtype in SCALAR  # no norm to check
+    tol = 1e-2 if emb.output_dtype == "float16" else 1e-3
+    listed = {p.name: p for p in manifest.parts}
+    extras = {r: getattr(emb, r) for r in ("sparse", "multi_vector") if getattr(emb, r)}
     present = set(out.part_names())
     for extra in sorted(present - set(listed)):
         problems.append(f"{extra}: a part the manifest does not list")
     for stray in out.strays():
         problems.append(f"{stray}: data that is no batchembed part (readers of the output see its rows)")
-    index = manifest.get("index") or {}
+    index = manifest.index or {}
     if index.get("built") and index.get("name") not in out.fmt.index_names(out):
         problems.append(f"the manifest lists the index {index.get('name')}, the output has none of that name")
     todo = []
     for name, entry in listed.items():
         if name in present:
             todo.append((name, entry))
-        elif entry["rows"] or out.fmt.empty_parts_kept:  # Lance keeps nothing of an empty part
+        elif entry.rows or out.fmt.empty_parts_kept:  # Lance keeps nothing of an empty part
             problems.append(f"{name}: listed in the manifest, missing")
 
     def check(item) -> tuple[list[str], int, int, float]:
@@ -76,8 +77,8 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
         vectors, worst = 0, 0.0
         url = out.part_url(name)
         with out.open_part(name) as part:
-            if part.num_rows != entry["rows"]:
-                found.append(f"{url}: {part.num_rows} rows, the manifest says {entry['rows']}")
+            if part.num_rows != entry.rows:
+                found.append(f"{url}: {part.num_rows} rows, the manifest says {entry.rows}")
             for dim, col in columns.items():
                 field = part.schema.field(col) if col in part.schema.names else None
                 width = int(dim) // 8 if packed else int(dim)
@@ -106,8 +107,8 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
                         break
                     counted, worst = counted + n, max(worst, off)
                 key = "sparse_weights" if r == "sparse" else "multi_vectors"
-                if key in entry.get("counts", {}) and entry["counts"][key] != counted:
-                    found.append(f"{url}: {counted} {key.replace('_', ' ')}, the manifest says {entry['counts'][key]}")
+                if key in entry.counts and entry.counts[key] != counted:
+                    found.append(f"{url}: {counted} {key.replace('_', ' ')}, the manifest says {entry.counts[key]}")
             return found, part.num_rows, vectors, worst
 
     results = concurrently(check, todo, threads)
@@ -117,10 +118,10 @@ def verify_output(uri: str, storage_options: dict[str, Any] | None = None,
     problems += [p for r in results for p in r[0]]
     if worst > tol:
         problems.append(f"a vector's norm is off 1 by {worst:.2e} (tolerance {tol})")
-    if rows != manifest["counts"]["rows"]:
-        problems.append(f"parts hold {rows} rows, the manifest counts {manifest['counts']['rows']}")
+    if rows != manifest.counts["rows"]:
+        problems.append(f"parts hold {rows} rows, the manifest counts {manifest.counts['rows']}")
     summary = {"output": uri, "parts": len(listed), "rows": rows, "vectors_checked": vectors,
-               "failed_rows": manifest["counts"].get("failed_rows", 0),
+               "failed_rows": manifest.counts.get("failed_rows", 0),
                "max_norm_error": worst, "norms_checked": not quantized, "ok": not problems}
     return problems, summary
 
@@ -135,24 +136,24 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
     manifest = p.out.read_manifest()
     if manifest is None:
         return [f"no {MANIFEST} at {p.out.url}: not a finished batchembed output"], {}
-    if manifest["job"]["digest"] != p.fingerprint.digest:
+    if manifest.job.get("digest") != p.fingerprint.digest:
         raise JobError(f"--sample: the job file describes another output than {p.out.url} (job digest "
-                       f"{p.fingerprint.digest}, the output's {manifest['job']['digest']})")
+                       f"{p.fingerprint.digest}, the output's {manifest.job.get('digest')})")
     reason = fidelity.reference_unavailable(p, beside_engine=False)
     if reason is not None:
         raise JobError(f"--sample: no reference vectors for {p.model.path}: {reason}")
-    emb = manifest["embedding"]
-    dtype, columns = emb["output_dtype"], emb["columns"]
-    ranges = {d: np.asarray(emb["calibration"]["ranges"][d], dtype=np.float32) for d in columns} \
+    emb = manifest.embedding
+    dtype, columns = emb.output_dtype, emb.columns
+    ranges = {d: np.asarray(emb.calibration["ranges"][str(d)], dtype=np.float32) for d in columns} \
         if dtype in SCALAR else {}
     id_col = p.spec.input.id_column
     rng = np.random.default_rng(seed)
-    parts = [e for e in manifest["parts"] if e["rows"]]
+    parts = [e for e in manifest.parts if e.rows]
     if not parts:
         return [], {"rows": 0, "seed": seed, "parts": 0, "skipped": {}, "columns": {},
                     "min_cosine_required": p.spec.fidelity_min_cosine}
     parts = [parts[i] for i in sorted(rng.choice(len(parts), size=min(SAMPLE_PARTS, len(parts)), replace=False))]
-    offsets = np.cumsum([0] + [e["rows"] for e in parts])
+    offsets = np.cumsum([0] + [e.rows for e in parts])
     drawn = np.sort(rng.choice(offsets[-1], size=min(rows, int(offsets[-1])), replace=False))
     files = {f.fingerprint["path"]: f for f in p.files}
     problems: list[str] = []
@@ -164,14 +165,14 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
         mine = drawn[(drawn >= offsets[k]) & (drawn < offsets[k + 1])] - offsets[k]
         if not len(mine):
             return None
-        f = files.get(entry["input"]["path"])
-        a, b = entry["input"]["row_groups"]
-        task = Task(-1, f, tuple(range(a, b)), entry["rows"], 0) if f is not None else None
-        if task is None or task.input_fingerprint != entry["input"]:  # as resume tells a changed input
-            problems.append(f"{entry['name']}: its input {entry['input']['path']} is gone or changed since the run; "
+        f = files.get(entry.input["path"])
+        a, b = entry.input["row_groups"]
+        task = Task(-1, f, tuple(range(a, b)), entry.rows, 0) if f is not None else None
+        if task is None or task.input_fingerprint != entry.input:  # as resume tells a changed input
+            problems.append(f"{entry.name}: its input {entry.input['path']} is gone or changed since the run; "
                             "not sampled")
             return None
-        with p.out.open_part(entry["name"]) as part:
+        with p.out.open_part(entry.name) as part:
             stored = part.read([id_col, TEXT_HASH, *columns.values()]).take(mine)
         texts: dict[int, str | None] = {}
         seen, want = 0, set(mine.tolist())
@@ -181,7 +182,7 @@ def check_sample(p: Prepared, rows: int, seed: int, threads: int = 16) -> tuple[
             seen += len(batch_texts)
             if seen > mine[-1]:
                 break
-        return stored, [(entry["name"], int(r), texts.get(int(r))) for r in mine]
+        return stored, [(entry.name, int(r), texts.get(int(r))) for r in mine]
 
     found = [r for r in concurrently(read, list(range(len(parts))), threads) if r is not None]
     stored = pa.concat_tables([t for t, _ in found], promote_options="permissive") if found else None
