@@ -125,6 +125,8 @@ def validate(job_file, overrides):
     click.echo(f"ok: {p.spec.name}: model {p.model.path} (dim {p.model.dimension}, max_length {p.max_length}), "
                f"{len(p.files)} files, {sum(f.num_rows for f in p.files):,} rows, {len(p.tasks)} parts")
     click.echo(f"engine: {p.settings.describe()}")
+    if p.settings.engines_reason and p.settings.engines_reason.startswith("auto"):
+        click.echo(f"engines: {p.settings.engines_reason}")
 
 
 @cli.command()

@@ -193,10 +193,20 @@ class EngineSpec(_Strict):
     windows_in_flight: int = Field(2, ge=1, description="windows queued on the engine at once: with 2 it "
                                    "starts the next window while the last one's vectors are collected; 1 "
                                    "lets it drain at every window's end")
-    data_parallel: int = Field(1, ge=1, description="engines pulling parts from one list (engine processes "
-                               "on this machine, or Ray actors with executor: ray): one per GPU, or several "
-                               "on one GPU (small models: one engine's Python front end is the limit), or "
-                               "one per slice of the CPU cores")
+    data_parallel: int | Literal["auto"] = Field(
+        "auto", description="engines pulling parts from one list (engine processes on this machine, or Ray "
+        "actors with executor: ray): one per GPU, or several on one GPU (small models: one engine's Python "
+        "front end is the limit), or one per slice of the CPU cores. auto: on a GPU, as many as the GPUs' "
+        "compute takes for this model and model.max_length, at most what the host's cores feed; on CPU and "
+        "with executor: ray, 1. The choice and its reason are logged, shown by plan and recorded in the "
+        "manifest; `batchembed tune` measures it instead")
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _at_least_one(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("must be at least 1, or auto")
+        return v
     enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: "
                                        "eager for encoders (BERT-like) and on CPU, compiled for decoder "
                                        "embedders (Qwen3-Embedding) on a GPU (the first start compiles, "

@@ -340,12 +340,23 @@ def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True
 def engine_settings(spec: JobSpec, model: ModelInfo, max_length: int, parts: int) -> EngineSettings:
     """The run's engine settings, before any engine starts: on this host, or for Ray's actors, on
     GPUs when they ask for any (a share of one each with ray.num_gpus_per_engine below 1)."""
-    engines = max(1, min(spec.engine.data_parallel, parts))
     if spec.executor == "ray":
         gpus = spec.ray.num_gpus_per_engine
-        return resolve(model, spec.model.dtype, max_length, spec.engine, engines, device="cuda" if gpus else "cpu",
-                       per_engine_gpus=gpus or None)
-    return resolve(model, spec.model.dtype, max_length, spec.engine, engines)
+        return resolve(model, spec.model.dtype, max_length, spec.engine, device="cuda" if gpus else "cpu",
+                       per_engine_gpus=gpus or None, parts=parts)
+    return resolve(model, spec.model.dtype, max_length, spec.engine, parts=parts)
+
+
+def planned_engines(spec: JobSpec) -> int:
+    """The engine count of the job on this host before it is prepared (no more than its parts once
+    it is); 1 where the model cannot be read (the job's check says why)."""
+    if spec.engine.data_parallel != "auto":
+        return int(spec.engine.data_parallel)
+    try:
+        model = read_model_info(spec.model.name)
+    except (JobError, RunError):
+        return 1
+    return engine_settings(spec, model, spec.model.max_length or model.max_length, 0).engines
 
 
 def estimate_tokens(p: Prepared, sample_rows: int = 2000) -> int:

@@ -32,6 +32,11 @@ class ModelInfo:
     matryoshka_dimensions: tuple[int, ...] | None  # None: not declared
     is_matryoshka: bool
     kv_values_per_token: int | None = None  # K and V values a token keeps in all layers; None: unknown
+    layer_flops: tuple[float, float] | None = None  # see layer_flops; None: the config does not say
+
+    def flops_at(self, tokens_per_row: float) -> float | None:
+        """Forward FLOPs a token of a row of `tokens_per_row` tokens costs; None: unknown."""
+        return None if self.layer_flops is None else self.layer_flops[0] + self.layer_flops[1] * tokens_per_row
     causal: bool = False  # a decoder (Qwen3-Embedding, e5-mistral, ...); False: an encoder (BERT-like)
     architectures: tuple[str, ...] = ()  # config.json's, the names vLLM looks its model class up by
     family: str = "dense"  # one of FAMILIES: how the model's outputs are made from its token states
@@ -86,6 +91,30 @@ def is_causal(config: dict) -> bool:
     archs = config.get("architectures") or []
     return (config.get("model_type") in DECODER_TYPES or bool(config.get("is_decoder"))
             or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs))
+
+
+def layer_flops(config: dict) -> tuple[float, float] | None:
+    """(FLOPs a token costs in the weights it meets: 2 x those weights; FLOPs it costs per position
+    of its sequence in attention), from a config.json; None when it does not say."""
+    c = config.get("text_config", config)
+    try:
+        d, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        heads = int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        hd = int(c.get("head_dim") or d // heads)
+        ff = int(c.get("intermediate_size") or 4 * d)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    gated = c.get("hidden_act") in ("silu", "swiglu") or "mlp_bias" in c or c.get("model_type", "").startswith("qwen")
+    attention = d * heads * hd + 2 * d * kv * hd + heads * hd * d
+    mlp = (3 if gated else 2) * d * ff
+    return 2.0 * layers * (attention + mlp), 4.0 * layers * heads * hd
+
+
+def flops_per_token(config: dict, tokens_per_row: float) -> float | None:
+    """Forward FLOPs a token costs: 2 x the weights it meets, and attention over its sequence."""
+    f = layer_flops(config)
+    return None if f is None else f[0] + f[1] * tokens_per_row
 
 
 def kv_values_per_token(config: dict) -> int | None:
@@ -192,6 +221,7 @@ def read_model_info(name: str) -> ModelInfo:
         matryoshka_dimensions=tuple(mdims) if mdims else None,
         is_matryoshka=bool(config.get("is_matryoshka") or mdims),
         kv_values_per_token=kv_values_per_token(config),
+        layer_flops=layer_flops(config),
         causal=is_causal(config),
         architectures=tuple(config.get("architectures") or ()),
         family=family,

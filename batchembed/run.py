@@ -17,7 +17,7 @@ from .embed.vectors import MULTI_VECTOR, PACKED, SCALAR, SPARSE
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
 from .executors.schedule import Schedule
-from .job import Prepared, index_column, prepare
+from .job import Prepared, index_column, planned_engines, prepare
 from .model import read_model_info
 from .output import leases
 from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
@@ -50,7 +50,7 @@ def _reporter(bar):
 
 def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
     """Parts are the unit of work: with few per engine, the last ones run while the rest wait."""
-    engines = p.spec.engine.data_parallel
+    engines = p.settings.engines
     # The engines that finish first wait for the last part in progress: up to a part's work, a
     # visible share of the job when each engine has only a few parts.
     if engines < 2 or not pending or len(pending) >= 6 * engines:
@@ -71,7 +71,7 @@ def _execute(p: Prepared, schedule: Schedule, progress, engine, reference) -> Ru
         from .executors.ray import run_on_ray
 
         return run_on_ray(p, schedule, progress)
-    replicas = 1 if engine is not None else min(p.spec.engine.data_parallel, len(schedule.by_id))
+    replicas = 1 if engine is not None else min(p.settings.engines, len(schedule.by_id))
     if replicas > 1:
         from .executors.processes import run_in_processes
 
@@ -98,7 +98,7 @@ def _calibrate(p: Prepared, engine, reference):
         if own is not None:
             release(own)
         raise
-    if own is not None and (p.spec.executor == "ray" or p.spec.engine.data_parallel > 1):
+    if own is not None and (p.spec.executor == "ray" or p.settings.engines > 1):
         release(own, run_over=False)  # its memory is the engine processes' now
         engine = own = None
     return engine, own, seconds
@@ -130,7 +130,7 @@ def run_job(spec: JobSpec, engine=None, overwrite: bool = False, show_progress: 
     if swept:
         log.info("removed %d scratch file(s) left in %s by runs that were killed", swept, tempfile.gettempdir())
     # vLLM's import for engine processes starts now, while this process plans
-    wanted = spec.executor != "ray" and spec.engine.data_parallel > 1 and engine is None
+    wanted = spec.executor != "ray" and engine is None and planned_engines(spec) > 1
     with forkserver_ahead(wanted, _architectures(spec.model.name) if wanted else ()):
         return _run_job(spec, engine, overwrite, show_progress, started)
 
@@ -148,6 +148,8 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     shard = spec.shard_of
     p = prepare(spec)
     out = p.out
+    if p.settings.engines_reason not in (None, "engine.data_parallel"):
+        log.info("engine.data_parallel: %d (%s)", p.settings.engines, p.settings.engines_reason)
     if overwrite:
         out.clear()
     job = p.fingerprint.with_digest()

@@ -12,7 +12,6 @@ engines share one vLLM import and build at once).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -24,6 +23,7 @@ import pyarrow.parquet as pq
 
 from . import scratch
 from .config import JobSpec
+from .embed.host import bf16_peak
 from .errors import JobError
 from .job import Prepared, prepare
 from .model import ModelInfo
@@ -31,11 +31,6 @@ from .plan import Task, rows_per_part_for
 from .run import run_job
 
 log = logging.getLogger(__name__)
-
-# Dense bf16 peak of one accelerator, FLOP/s (vendors' figures, without sparsity)
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
-             "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12, "A10G": 70e12}
-
 
 @dataclass
 class Trial:
@@ -50,23 +45,6 @@ class Trial:
     flop_share: float | None  # of the accelerator's bf16 peak, at the steady rate
 
 
-def flops_per_token(config: dict, tokens_per_row: float) -> float | None:
-    """Forward FLOPs a token costs: 2 x the weights it meets, and attention over its sequence."""
-    c = config.get("text_config", config)
-    try:
-        d, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
-        heads = int(c["num_attention_heads"])
-        kv = int(c.get("num_key_value_heads") or heads)
-        hd = int(c.get("head_dim") or d // heads)
-        ff = int(c.get("intermediate_size") or 4 * d)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-    gated = c.get("hidden_act") in ("silu", "swiglu") or "mlp_bias" in c or c.get("model_type", "").startswith("qwen")
-    attention = d * heads * hd + 2 * d * kv * hd + heads * hd * d
-    mlp = (3 if gated else 2) * d * ff
-    return 2.0 * layers * (attention + mlp) + 4.0 * layers * heads * hd * tokens_per_row
-
-
 def accelerator_peak() -> tuple[str, float | None]:
     """(name, bf16 FLOP/s) of the first GPU; ('cpu', None) without one."""
     try:
@@ -74,8 +52,7 @@ def accelerator_peak() -> tuple[str, float | None]:
 
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0)
-            return name, next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0]))
-                               if k in name.upper()), None)
+            return name, bf16_peak(name)
     except Exception:  # noqa: BLE001 - no CUDA here
         pass
     return "cpu", None
@@ -142,15 +119,8 @@ def tune(spec: JobSpec, engines: list[int], rows: int,
 
 def flop_share(model: ModelInfo, tokens_per_row: float, rate: float, peak: float | None) -> float | None:
     """The share of the accelerator's bf16 peak that `rate` tokens/s of this model use."""
-    fpt = flops_per_token(_config(model), tokens_per_row)
+    fpt = model.flops_at(tokens_per_row)
     return round(rate * fpt / peak, 4) if fpt and peak else None
-
-
-def _config(model: ModelInfo) -> dict:
-    try:
-        return json.loads((model.path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def best(trials: list[Trial]) -> Trial:

@@ -304,3 +304,32 @@ def test_cpu_engine_processes_allocate_with_tcmalloc_and_a_small_onednn_cache(en
     # and a small oneDNN primitive cache (its growth per step shape was the rest of the worker's growth)
     want = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8").encode()
     assert env.get(b"ONEDNN_PRIMITIVE_CACHE_CAPACITY") == want
+
+
+def test_auto_engines_follow_the_gpus_compute_and_the_hosts_cores(model_info):
+    """engine.data_parallel: auto: enough engines to fill the GPU at this length, at most what the
+    host's cores feed; one for a model large enough that one engine's rows fill it; one on CPU."""
+    from dataclasses import replace
+
+    from batchembed.config import EngineSpec
+    from batchembed.embed.settings import CORES_PER_ENGINE, ENGINE_ROWS_S, auto_engines, resolve
+    from batchembed.model import layer_flops
+
+    bert_base = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
+    qwen3 = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072}
+    h100 = "NVIDIA H100 80GB HBM3"
+    bge = replace(model_info, layer_flops=layer_flops(bert_base))
+    n, why = auto_engines(bge, 80, 1, h100, 16)
+    rows_s = 0.4 * 989e12 / (bge.flops_at(80) * 80)
+    assert n == min(-(-int(rows_s) // ENGINE_ROWS_S), 16 // CORES_PER_ENGINE) == 7, why
+    assert auto_engines(bge, 80, 1, h100, 8)[0] == 8 // CORES_PER_ENGINE  # a small host feeds fewer
+    assert auto_engines(bge, 80, 2, h100, 64)[0] == -(-int(2 * rows_s) // ENGINE_ROWS_S) == 13  # two GPUs
+    qwen = replace(model_info, causal=True, layer_flops=layer_flops(qwen3))
+    assert auto_engines(qwen, 512, 1, h100, 16)[0] == 1
+    assert auto_engines(qwen, 512, 4, h100, 64)[0] == 4  # never fewer than one per GPU
+    unknown = replace(model_info, layer_flops=None)
+    assert auto_engines(unknown, 80, 2, h100, 16) == (2, "one per GPU (2): the model's config does not say its size")
+    assert resolve(bge, "float32", 80, EngineSpec(), device="cpu").engines == 1  # CPU: one engine, every core
+    assert resolve(bge, "float32", 80, EngineSpec(data_parallel=3), device="cuda", gpus=1).engines == 3
+    assert resolve(bge, "float32", 80, EngineSpec(data_parallel=3), device="cuda", gpus=1, parts=2).engines == 2

@@ -14,7 +14,8 @@ from helpers import job_dict, write_parquet
 
 from batchembed.cli import cli
 from batchembed.config import load_job
-from batchembed.tune import Trial, best, flops_per_token, tuned_rows_per_part
+from batchembed.model import flops_per_token
+from batchembed.tune import Trial, best, tuned_rows_per_part
 
 pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
 

@@ -131,6 +131,18 @@ def gpu_name() -> str | None:
     return None
 
 
+# Dense bf16 peak of one accelerator, FLOP/s (vendors' figures, without sparsity), by a fragment of
+# its name; the longest fragment that matches wins
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H100 PCIE": 756e12, "GH200": 989e12, "B200": 2250e12,
+             "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12, "A10G": 70e12}
+
+
+def bf16_peak(name: str | None) -> float | None:
+    """The dense bf16 FLOP/s of the GPU named `name`; None where it is not known."""
+    name = (name or "").upper()
+    return next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+
+
 def placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str], int]:
     """Environment that pins one of several engine replicas, and how many share its device.
 

@@ -12,7 +12,36 @@ import os
 
 from ..config import EngineSpec
 from ..model import ModelInfo
-from .host import cpu_dtype, cpu_flags, gpu_name, visible_gpus
+from .host import bf16_peak, cpu_dtype, cpu_flags, gpu_name, visible_gpus
+
+# engine.data_parallel: auto. One engine's front end hands vLLM a bounded number of rows a second
+# whatever the model (vLLM's per-request Python work), so a GPU whose compute could take more rows
+# of a small model needs several engines; each engine's front end and tokenising keep about two
+# host cores busy; a batch job's steps reach about 40 % of a GPU's dense bf16 peak.
+ENGINE_ROWS_S = 4500
+CORES_PER_ENGINE = 2
+_USABLE_SHARE = 0.4
+# an accelerator whose peak is not known counts as this
+_UNKNOWN_PEAK = 300e12
+
+
+def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, cores: int) -> tuple[int, str]:
+    """engine.data_parallel: auto on a GPU host: (engines, why). As many engines as it takes for
+    their rows to fill the GPUs' compute at this length, at least one per GPU, at most what the
+    host's cores feed."""
+    gpus = max(1, gpus)
+    fed = max(1, cores // CORES_PER_ENGINE)
+    flops = model.flops_at(max_length)
+    if flops is None:
+        n = min(gpus, fed)
+        return n, f"one per GPU ({gpus}): the model's config does not say its size"
+    rows_s = _USABLE_SHARE * (bf16_peak(gpu) or _UNKNOWN_PEAK) * gpus / (flops * max_length)
+    wanted = max(gpus, -(-int(rows_s) // ENGINE_ROWS_S))
+    n = max(1, min(wanted, fed))
+    why = (f"{gpus} x {gpu or 'an unknown GPU'} can take about {rows_s:,.0f} rows/s of this model at "
+           f"{max_length} tokens, {wanted} engine(s)' worth at about {ENGINE_ROWS_S:,} rows/s each; "
+           f"the host's {cores} cores feed {fed}")
+    return n, why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +49,7 @@ class EngineSettings:
     """What the run's engines are: the record a user compares between two nights."""
 
     engines: int  # engine.data_parallel: engine processes, or Ray actors
+    engines_reason: str | None  # why that many: the job's setting, or what auto weighed
     device: str  # cpu or cuda
     gpu: str | None  # the GPU's model name, where this host has one
     dtype: str  # the float the model computes in (model.dtype; auto resolved on a CPU)
@@ -51,6 +81,21 @@ class EngineSettings:
                 f"vLLM {self.vllm or '-'}, torch {self.torch or '-'}")
 
 
+def _engine_count(model: ModelInfo, max_length: int, spec: EngineSpec, engines: int | None, on_cpu: bool,
+                  gpus: int, per_engine_gpus: float | None) -> tuple[int, str]:
+    """(engines, why) for engine.data_parallel, or `engines` where given."""
+    if engines is not None:
+        return engines, "given"
+    if spec.data_parallel != "auto":
+        return int(spec.data_parallel), "engine.data_parallel"
+    if on_cpu:
+        return 1, "auto: one engine on a CPU, on every core"
+    if per_engine_gpus is not None:
+        return 1, "auto: one Ray actor; set engine.data_parallel to the actors wanted"
+    n, why = auto_engines(model, max_length, gpus, gpu_name(), len(os.sched_getaffinity(0)))
+    return n, f"auto: {why}"
+
+
 def _version(*names: str) -> str | None:
     for name in names:
         try:
@@ -68,13 +113,19 @@ def host_device() -> str:
     return "cuda" if visible_gpus() else "cpu"
 
 
-def resolve(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, engines: int = 1,
-            device: str | None = None, gpus: int | None = None, per_engine_gpus: float | None = None) -> EngineSettings:
-    """The engines' settings, from the job (`dtype`, `spec`, `engines`), the host (`device`, `gpus`:
-    detected here when not given) and the model. `per_engine_gpus`: the share of a GPU each engine
-    gets where a scheduler places them (Ray's num_gpus_per_engine), in place of this host's GPUs."""
+def resolve(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, engines: int | None = None,
+            device: str | None = None, gpus: int | None = None, per_engine_gpus: float | None = None,
+            parts: int | None = None) -> EngineSettings:
+    """The engines' settings, from the job (`dtype`, `spec`; `engines` in place of its
+    engine.data_parallel), the host (`device`, `gpus`: detected here when not given) and the model.
+    `per_engine_gpus`: the share of a GPU each engine gets where a scheduler places them (Ray's
+    num_gpus_per_engine), in place of this host's GPUs. `parts`: no more engines than parts."""
     device = device or host_device()
     on_cpu = device == "cpu"
+    gpus = gpus if gpus is not None else len(visible_gpus())
+    engines, reason = _engine_count(model, max_length, spec, engines, on_cpu, gpus, per_engine_gpus)
+    if parts is not None and 0 < parts < engines:
+        engines, reason = parts, f"{reason}; no more than the job's {parts} part(s)"
     if on_cpu:
         dtype = cpu_dtype(dtype, cpu_flags())
     token_budget, max_batch_rows = default_step_limits(spec, on_cpu, max_length)
@@ -84,7 +135,7 @@ def resolve(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, eng
         share = 0.9 * min(1.0, per_engine_gpus)
     else:
         # engines on this host are dealt to its GPUs in turn, and those sharing one split its memory
-        sharing = -(-engines // max(1, gpus if gpus is not None else len(visible_gpus())))
+        sharing = -(-engines // max(1, gpus))
         share = 0.9 / sharing
     kv = kv_cache_bytes(model, dtype, 2 * token_budget)
     if kv or on_cpu:
@@ -101,7 +152,8 @@ def resolve(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, eng
     kv = given.get("kv_cache_memory_bytes", kv)
     share = given.get("gpu_memory_utilization", spec.gpu_memory_utilization or share)
     return EngineSettings(
-        engines=engines, device=device, gpu=None if on_cpu or per_engine_gpus is not None else gpu_name(),
+        engines=engines, engines_reason=reason, device=device,
+        gpu=None if on_cpu or per_engine_gpus is not None else gpu_name(),
         dtype=dtype, eager=eager,
         # vLLM's async scheduling (off for pooling models: it can delay a server's first token, which
         # a batch job has none of) prepares the next step while the GPU runs this one: faster for a

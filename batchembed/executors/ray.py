@@ -130,7 +130,7 @@ def run_on_ray(p: Prepared, schedule: Schedule, progress) -> RunResult:
 
 def _drive(ray, p: Prepared, schedule: Schedule, progress, local: bool) -> RunResult:
     cfg = p.spec.ray
-    n = min(p.spec.engine.data_parallel, len(schedule.by_id))
+    n = min(p.settings.engines, len(schedule.by_id))
     short = _resources(ray, cfg, n)
     if short and local:  # a Ray started here never grows
         raise RunError(f"executor: ray: {short}; lower engine.data_parallel or the resources per engine")
