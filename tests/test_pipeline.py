@@ -157,7 +157,10 @@ def test_the_reader_waits_one_window_ahead_while_the_engine_is_built(tmp_path, f
     seen_while_building = []
 
     def build():
-        time.sleep(1.0)  # long enough for the reader to have tokenised every window, were it let
+        deadline = time.monotonic() + 60  # a loaded machine may take a while for the first window
+        while not tokenised and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)  # then long enough for the reader to tokenise every window, were it let
         seen_while_building.append(len(tokenised))
         return fake
 
