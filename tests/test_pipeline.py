@@ -171,7 +171,9 @@ def test_the_reader_waits_one_window_ahead_while_the_engine_is_built(tmp_path, f
     for t in p.tasks:
         tasks.put(t)
     assert len(pipeline.run(tasks, lambda step: None)) == len(p.tasks)
-    assert seen_while_building == [1] and len(tokenised) == 10 and fake.sequences == 100
+    # one window queued while the build runs; one more where the reader got to it before the build
+    # began (the engine thread's start and the reader's race): never the ten it could read
+    assert seen_while_building in ([1], [2]) and len(tokenised) == 10 and fake.sequences == 100
     assert not pipeline.embedder.building.is_set()
 
 
