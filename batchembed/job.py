@@ -334,17 +334,18 @@ def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True
     fmt, in_fs, _, files, failed = read
     tasks = make_tasks(files, spec.output.rows_per_part)
     return Prepared(spec, model, max_length, dims, files, tasks, fmt, in_fs, out, fp, warnings, failed, previous,
-                    settings=engine_settings(spec, model, max_length, len(tasks)))
+                    settings=engine_settings(spec, model, max_length, len(tasks), sum(f.num_rows for f in files)))
 
 
-def engine_settings(spec: JobSpec, model: ModelInfo, max_length: int, parts: int) -> EngineSettings:
+def engine_settings(spec: JobSpec, model: ModelInfo, max_length: int, parts: int,
+                    rows: int | None = None) -> EngineSettings:
     """The run's engine settings, before any engine starts: on this host, or for Ray's actors, on
     GPUs when they ask for any (a share of one each with ray.num_gpus_per_engine below 1)."""
     if spec.executor == "ray":
         gpus = spec.ray.num_gpus_per_engine
         return resolve(model, spec.model.dtype, max_length, spec.engine, device="cuda" if gpus else "cpu",
-                       per_engine_gpus=gpus or None, parts=parts)
-    return resolve(model, spec.model.dtype, max_length, spec.engine, parts=parts)
+                       per_engine_gpus=gpus or None, parts=parts, rows=rows)
+    return resolve(model, spec.model.dtype, max_length, spec.engine, parts=parts, rows=rows)
 
 
 def planned_engines(spec: JobSpec) -> int:

@@ -20,17 +20,27 @@ from .host import bf16_peak, cpu_dtype, cpu_flags, gpu_name, visible_gpus
 # host cores busy; a batch job's steps reach about 40 % of a GPU's dense bf16 peak.
 ENGINE_ROWS_S = 4500
 CORES_PER_ENGINE = 2
+# an engine is worth its start (seconds of the host's cores and GPU memory) only for a job that
+# keeps it busy at least this long
+MIN_ENGINE_SECONDS = 15
 _USABLE_SHARE = 0.4
 # an accelerator whose peak is not known counts as this
 _UNKNOWN_PEAK = 300e12
 
 
-def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, cores: int) -> tuple[int, str]:
+def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, cores: int,
+                 rows: int | None = None) -> tuple[int, str]:
     """engine.data_parallel: auto on a GPU host: (engines, why). As many engines as it takes for
     their rows to fill the GPUs' compute at this length, at least one per GPU, at most what the
-    host's cores feed."""
+    host's cores feed, and for a job of `rows` rows no more than it keeps busy for
+    MIN_ENGINE_SECONDS each."""
     gpus = max(1, gpus)
     fed = max(1, cores // CORES_PER_ENGINE)
+    if rows is not None:
+        worth = max(1, -(-rows // (ENGINE_ROWS_S * MIN_ENGINE_SECONDS)))
+        if worth < min(gpus, fed):
+            return worth, f"a job of {rows:,} rows keeps {worth} engine(s) busy for {MIN_ENGINE_SECONDS} s or more"
+        fed = min(fed, worth)
     flops = model.flops_at(max_length)
     if flops is None:
         n = min(gpus, fed)
@@ -40,7 +50,9 @@ def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, 
     n = max(1, min(wanted, fed))
     why = (f"{gpus} x {gpu or 'an unknown GPU'} can take about {rows_s:,.0f} rows/s of this model at "
            f"{max_length} tokens, {wanted} engine(s)' worth at about {ENGINE_ROWS_S:,} rows/s each; "
-           f"the host's {cores} cores feed {fed}")
+           f"the host's {cores} cores feed {max(1, cores // CORES_PER_ENGINE)}"
+           + (f"; a job of {rows:,} rows keeps {fed} busy for {MIN_ENGINE_SECONDS} s or more"
+              if rows is not None and fed < max(1, cores // CORES_PER_ENGINE) else ""))
     return n, why
 
 
@@ -82,7 +94,7 @@ class EngineSettings:
 
 
 def _engine_count(model: ModelInfo, max_length: int, spec: EngineSpec, engines: int | None, on_cpu: bool,
-                  gpus: int, per_engine_gpus: float | None) -> tuple[int, str]:
+                  gpus: int, per_engine_gpus: float | None, rows: int | None) -> tuple[int, str]:
     """(engines, why) for engine.data_parallel, or `engines` where given."""
     if engines is not None:
         return engines, "given"
@@ -92,7 +104,7 @@ def _engine_count(model: ModelInfo, max_length: int, spec: EngineSpec, engines: 
         return 1, "auto: one engine on a CPU, on every core"
     if per_engine_gpus is not None:
         return 1, "auto: one Ray actor; set engine.data_parallel to the actors wanted"
-    n, why = auto_engines(model, max_length, gpus, gpu_name(), len(os.sched_getaffinity(0)))
+    n, why = auto_engines(model, max_length, gpus, gpu_name(), len(os.sched_getaffinity(0)), rows)
     return n, f"auto: {why}"
 
 
@@ -115,15 +127,16 @@ def host_device() -> str:
 
 def resolve(model: ModelInfo, dtype: str, max_length: int, spec: EngineSpec, engines: int | None = None,
             device: str | None = None, gpus: int | None = None, per_engine_gpus: float | None = None,
-            parts: int | None = None) -> EngineSettings:
+            parts: int | None = None, rows: int | None = None) -> EngineSettings:
     """The engines' settings, from the job (`dtype`, `spec`; `engines` in place of its
     engine.data_parallel), the host (`device`, `gpus`: detected here when not given) and the model.
     `per_engine_gpus`: the share of a GPU each engine gets where a scheduler places them (Ray's
-    num_gpus_per_engine), in place of this host's GPUs. `parts`: no more engines than parts."""
+    num_gpus_per_engine), in place of this host's GPUs. `parts`: no more engines than parts;
+    `rows`: the job's, for auto."""
     device = device or host_device()
     on_cpu = device == "cpu"
     gpus = gpus if gpus is not None else len(visible_gpus())
-    engines, reason = _engine_count(model, max_length, spec, engines, on_cpu, gpus, per_engine_gpus)
+    engines, reason = _engine_count(model, max_length, spec, engines, on_cpu, gpus, per_engine_gpus, rows)
     if parts is not None and 0 < parts < engines:
         engines, reason = parts, f"{reason}; no more than the job's {parts} part(s)"
     if on_cpu:
