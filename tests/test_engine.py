@@ -312,7 +312,14 @@ def test_auto_engines_follow_the_gpus_compute_and_the_hosts_cores(model_info):
     from dataclasses import replace
 
     from batchembed.config import EngineSpec
-    from batchembed.embed.settings import CORES_PER_ENGINE, ENGINE_ROWS_S, MIN_ENGINE_SECONDS, auto_engines, resolve
+    from batchembed.embed.settings import (
+        CORES_PER_ENGINE,
+        ENGINE_ROWS_S,
+        ENGINE_TOKENS_S,
+        MIN_ENGINE_SECONDS,
+        auto_engines,
+        resolve,
+    )
     from batchembed.model import layer_flops
 
     bert_base = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
@@ -327,7 +334,7 @@ def test_auto_engines_follow_the_gpus_compute_and_the_hosts_cores(model_info):
     assert auto_engines(bge, 80, 2, h100, 64)[0] == -(-int(2 * rows_s) // ENGINE_ROWS_S) == 13  # two GPUs
     # a small job is not worth many engines' start: one engine per MIN_ENGINE_SECONDS of its rows
     assert auto_engines(bge, 80, 1, h100, 16, rows=3000)[0] == 1
-    assert auto_engines(bge, 80, 1, h100, 16, rows=3 * ENGINE_ROWS_S * MIN_ENGINE_SECONDS)[0] == 3
+    assert auto_engines(bge, 80, 1, h100, 16, rows=3 * ENGINE_TOKENS_S * MIN_ENGINE_SECONDS // 80)[0] == 3
     assert auto_engines(bge, 80, 1, h100, 16, rows=10**7)[0] == 7
     qwen = replace(model_info, causal=True, layer_flops=layer_flops(qwen3))
     assert auto_engines(qwen, 512, 1, h100, 16)[0] == 1

@@ -21,8 +21,9 @@ from .host import bf16_peak, cpu_dtype, cpu_flags, gpu_name, visible_gpus
 ENGINE_ROWS_S = 4500
 CORES_PER_ENGINE = 2
 # an engine is worth its start (seconds of the host's cores and GPU memory) only for a job that
-# keeps it busy at least this long
+# keeps it busy at least this long, at the most tokens a second one engine's front end moves
 MIN_ENGINE_SECONDS = 15
+ENGINE_TOKENS_S = 300_000
 _USABLE_SHARE = 0.4
 # an accelerator whose peak is not known counts as this
 _UNKNOWN_PEAK = 300e12
@@ -32,12 +33,12 @@ def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, 
                  rows: int | None = None) -> tuple[int, str]:
     """engine.data_parallel: auto on a GPU host: (engines, why). As many engines as it takes for
     their rows to fill the GPUs' compute at this length, at least one per GPU, at most what the
-    host's cores feed, and for a job of `rows` rows no more than it keeps busy for
-    MIN_ENGINE_SECONDS each."""
+    host's cores feed, and for a job of `rows` rows (of up to `max_length` tokens) no more than it
+    keeps busy for MIN_ENGINE_SECONDS each."""
     gpus = max(1, gpus)
     fed = max(1, cores // CORES_PER_ENGINE)
     if rows is not None:
-        worth = max(1, -(-rows // (ENGINE_ROWS_S * MIN_ENGINE_SECONDS)))
+        worth = max(1, -(-rows * max_length // (ENGINE_TOKENS_S * MIN_ENGINE_SECONDS)))
         if worth < min(gpus, fed):
             return worth, f"a job of {rows:,} rows keeps {worth} engine(s) busy for {MIN_ENGINE_SECONDS} s or more"
         fed = min(fed, worth)
