@@ -18,6 +18,7 @@ the writer's clock with the reader's: hosts are expected to keep time (NTP) with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -162,6 +163,10 @@ def sweep(out) -> None:
     for path in retry(lambda: out.fs.glob(out.path(f"{RUNS}/*.json")), out.url):
         if not _beating(read_json(out.fs, path)):
             remove(out.fs, path)
+    if is_local(out.fs):  # object stores have no folders to leave behind
+        for folder in (CLAIMS, RUNS):
+            with contextlib.suppress(OSError):  # gone, or a live run's heartbeat is in it
+                os.rmdir(out.path(folder))
 
 
 def _beating(beat: dict | None) -> bool:
