@@ -14,6 +14,7 @@ import pytest
 from fake_engine import FakeEngine
 from helpers import make_job, read_output, write_parquet
 
+from batchembed.errors import RunError
 from batchembed.executors import schedule as schedule_module
 from batchembed.executors.schedule import WAIT, Restarts, Schedule
 from batchembed.job import prepare
@@ -109,7 +110,8 @@ def test_two_schedules_share_the_parts_and_wait_for_the_others(prepared, monkeyp
 def test_one_restart_budget_for_the_whole_run():
     r = Restarts(2, [0, 0, 0])
     assert r.take(1) == 1 and r.take(2) == 2 and r.take(0) is None and r.used() == 2
-    assert "failed 3 times in this run (engine.max_restarts: 2), last: gone" in str(r.exhausted("gone"))
+    with pytest.raises(RunError, match=r"failed 3 times in this run \(engine.max_restarts: 2\), last: gone"):
+        r.spend("gone")
 
 
 def test_a_run_waits_for_a_live_claim_only_while_its_run_beats(tmp_path, model_info, caplog):

@@ -218,7 +218,7 @@ class Engine:
         env, _ = placement(replica, replicas, self.on_cpu)
         env[MULTIPROCESSING_ENV] = "0" if self.in_process else "1"
         self.token_budget, self.max_batch_rows = settings.token_budget, settings.max_batch_rows
-        args = vllm_args(engine_model, max_length, replace(settings, in_process=self.in_process), spec)
+        args = vllm_args(engine_model, max_length, settings, spec)
         log.info("starting vLLM engine %d/%d %s: %s", replica + 1, replicas,
                  {k: v for k, v in env.items() if k != MULTIPROCESSING_ENV} | {"in_process": self.in_process},
                  {k: v for k, v in args.items() if k != "tokenizer"})

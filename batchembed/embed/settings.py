@@ -36,7 +36,7 @@ def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, 
     host's cores feed, and for a job of `rows` rows (of up to `max_length` tokens) no more than it
     keeps busy for MIN_ENGINE_SECONDS each."""
     gpus = max(1, gpus)
-    fed = max(1, cores // CORES_PER_ENGINE)
+    fed = by_cores = max(1, cores // CORES_PER_ENGINE)
     if rows is not None:
         worth = max(1, -(-rows * max_length // (ENGINE_TOKENS_S * MIN_ENGINE_SECONDS)))
         if worth < min(gpus, fed):
@@ -51,9 +51,9 @@ def auto_engines(model: ModelInfo, max_length: int, gpus: int, gpu: str | None, 
     n = max(1, min(wanted, fed))
     why = (f"{gpus} x {gpu or 'an unknown GPU'} can take about {rows_s:,.0f} rows/s of this model at "
            f"{max_length} tokens, {wanted} engine(s)' worth at about {ENGINE_ROWS_S:,} rows/s each; "
-           f"the host's {cores} cores feed {max(1, cores // CORES_PER_ENGINE)}"
+           f"the host's {cores} cores feed {by_cores}"
            + (f"; a job of {rows:,} rows keeps {fed} busy for {MIN_ENGINE_SECONDS} s or more"
-              if rows is not None and fed < max(1, cores // CORES_PER_ENGINE) else ""))
+              if fed < by_cores else ""))
     return n, why
 
 

@@ -119,9 +119,7 @@ class Worker:
             raise failure  # an engine we were handed is not ours to replace; a stopping run stops
         old.kill()
         self.own = None
-        n = self.restarts.take(self.slot)
-        if n is None:
-            raise self.restarts.exhausted(str(failure))
+        n = self.restarts.spend(str(failure), self.slot)
         log.warning("engine failed (%s): starting a new one, restart %d of at most %d", failure, n,
                     self.restarts.limit)
         t0 = time.perf_counter()

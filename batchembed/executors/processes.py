@@ -350,10 +350,13 @@ def _supervise(p: Prepared, schedule: Schedule, progress, replicas: int,
                 reports.append(WorkerReport(records=schedule.lose(i)))
                 waiting.discard(i)
                 why = f"engine process {i} died (exit code {workers[i].exitcode}) without reporting"
-                n = None if stop.is_set() else schedule.restarts.take(0)
-                if n is None:
-                    error = str(schedule.restarts.exhausted(why)) if not stop.is_set() else \
-                        f"{why}; committed parts are kept, a rerun resumes"
+                if stop.is_set():
+                    error = f"{why}; committed parts are kept, a rerun resumes"
+                    break
+                try:
+                    n = schedule.restarts.spend(why)
+                except RunError as e:
+                    error = str(e)
                     break
                 log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go "
                             "back to the list", why, n, schedule.restarts.limit, len(schedule.todo) - before)

@@ -162,7 +162,7 @@ def _drive(ray, p: Prepared, schedule: Schedule, progress, local: bool) -> RunRe
         idle.discard(i)
         for ref in [r for r, (slot, _) in running.items() if slot == i]:
             running.pop(ref)
-        count = schedule.restart(why)
+        count = schedule.restarts.spend(why)
         log.warning("%s: starting another (restart %d of at most %d); its %d unfinished part(s) go back to the "
                     "list", why, count, schedule.restarts.limit, len(schedule.todo) - before)
         ray.kill(actors[i])

@@ -50,9 +50,14 @@ class Restarts:
     def used(self) -> int:
         return sum(self.counts)
 
-    def exhausted(self, why: str) -> RunError:
-        return RunError(f"the engine failed {self.used() + 1} times in this run (engine.max_restarts: "
-                        f"{self.limit}), last: {why}; committed parts are kept, a rerun resumes")
+    def spend(self, why: str, slot: int = 0) -> int:
+        """One restart for a failure (`why`): the run's count with it, or the RunError that ends the
+        run once none is left."""
+        n = self.take(slot)
+        if n is None:
+            raise RunError(f"the engine failed {self.used() + 1} times in this run (engine.max_restarts: "
+                           f"{self.limit}), last: {why}; committed parts are kept, a rerun resumes")
+        return n
 
 
 class Schedule:
@@ -125,13 +130,6 @@ class Schedule:
     def finished(self, worker) -> None:
         """`worker` ended with every part it took committed."""
         self.taken.pop(worker, None)
-
-    def restart(self, why: str) -> int:
-        """One restart from the run's budget (its count), or the RunError that ends the run."""
-        n = self.restarts.take()
-        if n is None:
-            raise self.restarts.exhausted(why)
-        return n
 
     def close(self) -> None:
         if self.elsewhere or self.done_elsewhere:
