@@ -124,6 +124,7 @@ def validate(job_file, overrides):
     p = prepare(_load(job_file, overrides), all_problems=True)
     click.echo(f"ok: {p.spec.name}: model {p.model.path} (dim {p.model.dimension}, max_length {p.max_length}), "
                f"{len(p.files)} files, {sum(f.num_rows for f in p.files):,} rows, {len(p.tasks)} parts")
+    click.echo(f"parts: up to {p.rows_per_part:,} rows each ({p.rows_per_part_reason})")
     click.echo(f"engine: {p.settings.describe()}")
     if p.settings.engines_reason and p.settings.engines_reason.startswith("auto"):
         click.echo(f"engines: {p.settings.engines_reason}")
@@ -154,6 +155,8 @@ def plan(job_file, overrides, as_json):
         "rows": sum(f.num_rows for f in p.files),
         "est_tokens": estimate_tokens(p),
         "parts": len(p.tasks),
+        "rows_per_part": p.rows_per_part,
+        "rows_per_part_reason": p.rows_per_part_reason,
         "parts_done": len(done),
         "rows_pending": sum(t.num_rows for t in p.tasks if t.index not in done),
         "complete": bool(state and state.complete),
@@ -195,7 +198,7 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
     import yaml
 
     from . import interrupts
-    from .tune import as_dicts, best, render, tuned_rows_per_part
+    from .tune import as_dicts, best, render
     from .tune import tune as run_tune
 
     try:
@@ -206,7 +209,7 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
         raise JobError("--engines and --rows must be positive")
     interrupts.install()
     spec = _load(job_file, overrides)
-    trials, accelerator, plan = run_tune(spec, counts, rows)
+    trials, accelerator = run_tune(spec, counts, rows)
     click.echo(json.dumps({"accelerator": accelerator, "trials": as_dicts(trials)}, indent=2) if as_json
                else render(trials, accelerator))
     if write_to:
@@ -214,16 +217,13 @@ def tune(job_file, overrides, engines, rows, write_to, as_json):
             raw = yaml.safe_load(f) or {}
         chosen = best(trials).engines
         raw.setdefault("engine", {})["data_parallel"] = chosen
-        parts = tuned_rows_per_part(spec, chosen, plan)
-        if parts is not None:
-            raw.setdefault("output", {})["rows_per_part"] = parts
         header = "".join(f"# {line}\n" for line in [f"written by batchembed tune on {date.today()} from {job_file}:",
                                                       *render(trials, accelerator).splitlines()])
         with open(write_to, "w") as f:
             f.write(header + yaml.safe_dump(raw, sort_keys=False))
         _load(write_to, overrides)  # what was written is a valid job
-        click.echo(f"batchembed: wrote {write_to} (engine.data_parallel: {chosen}"
-                   + (f", output.rows_per_part: {parts}" if parts is not None else "") + ")", err=True)
+        click.echo(f"batchembed: wrote {write_to} (engine.data_parallel: {chosen}; output.rows_per_part: auto "
+                   "follows it)", err=True)
 
 
 @cli.command()

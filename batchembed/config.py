@@ -174,7 +174,11 @@ class OutputSpec(_Strict):
     format: Literal["parquet", "lance"] = Field("parquet", description="parquet: one file per part; lance: "
                                                 "one Lance dataset (pip install 'batchembed[lance]')")
     storage_options: dict[str, Any] = Field({}, description="passed to fsspec (and to Lance) for output.uri")
-    rows_per_part: int = Field(1_000_000, ge=1, description="large files are split by row groups up to this")
+    rows_per_part: int | Literal["auto"] = Field(
+        "auto", description="a part (a file of the output, and the unit of work an engine takes) holds the "
+        "input's row groups up to this many rows. auto: up to 1,000,000 with one engine; with several, about "
+        "30 parts for each, so that they finish together. The first run on an output records the cut in "
+        "_parts.json and every later run on it (a resume, another shard) keeps it unless the job sets this")
     lease_s: float = Field(60, ge=2, description="runs on one output share its parts: a run claims a part "
                            "before embedding it and renews its claims every third of this; a killed run's "
                            "claims lapse after this long and another run takes its parts over")
@@ -182,6 +186,13 @@ class OutputSpec(_Strict):
         "zstd", description="Parquet's; Lance chooses its own encodings")
     index: IndexSpec | None = Field(None, description="format lance: a vector index built once every part "
                                     "is committed (kept on a rerun when it covers every row)")
+
+    @field_validator("rows_per_part")
+    @classmethod
+    def _a_positive_count(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("must be at least 1, or auto")
+        return v
 
 
 class EngineSpec(_Strict):

@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -25,8 +25,8 @@ from .errors import JobError, RunError
 from .inputs.base import InputFile, inspect_inputs
 from .inputs.rows import needed_columns, select_rows
 from .model import REPRESENTATIONS, ModelInfo, model_content_hash, read_model_info
-from .output.layout import LAYOUT, OutputFolder
-from .plan import Task, make_tasks
+from .output.layout import LAYOUT, PARTS, OutputFolder
+from .plan import Task, auto_rows_per_part, make_tasks
 from .reuse import TEXT_HASH, open_previous
 from .storage import RetryPolicy
 
@@ -91,6 +91,8 @@ class Prepared:
     previous: Any = None  # reuse.Previous: the output whose vectors may be reused (incremental)
     run: str | None = None  # this run's id (output/leases.py), named in each part's commit record
     settings: EngineSettings | None = None  # the engines', resolved once (embed/settings.py)
+    rows_per_part: int = 0  # the cut of the input into parts (cut_parts), and why
+    rows_per_part_reason: str = ""
 
     @property
     def output_schema(self) -> pa.Schema:
@@ -332,12 +334,51 @@ def prepare(spec: JobSpec, all_problems: bool = False, check_output: bool = True
     for w in warnings if warn else ():
         log.warning(w)
     fmt, in_fs, _, files, failed = read
-    tasks = make_tasks(files, spec.output.rows_per_part)
-    return Prepared(spec, model, max_length, dims, files, tasks, fmt, in_fs, out, fp, warnings, failed, previous,
-                    settings=engine_settings(spec, model, max_length, len(tasks), sum(f.num_rows for f in files)))
+    p = Prepared(spec, model, max_length, dims, files, [], fmt, in_fs, out, fp, warnings, failed, previous)
+    return _cut(p, *cut_parts(p, recorded=True))
 
 
-def engine_settings(spec: JobSpec, model: ModelInfo, max_length: int, parts: int,
+def cut_parts(p: Prepared, recorded: bool) -> tuple[int, str]:
+    """output.rows_per_part for this run, and why: the job's; else (with `recorded`) the one the
+    output was made with; else a reindex's previous output's, so that its unchanged parts are copied
+    whole; else auto (plan.auto_rows_per_part) for the engines this job gets."""
+    spec = p.spec
+    if spec.output.rows_per_part != "auto":
+        return spec.output.rows_per_part, "output.rows_per_part"
+    found = p.out.recorded_cut() if recorded else None
+    if found is not None:
+        return found
+    before = p.previous.manifest.rows_per_part if p.previous is not None and p.previous.same_job else None
+    if before:
+        return before, f"the previous output's ({p.previous.uri}), so that its unchanged parts are copied whole"
+    rows = sum(f.num_rows for f in p.files)
+    engines = engine_settings(spec, p.model, p.max_length, None, rows).engines
+    return auto_rows_per_part(rows // (spec.shard_of[1] if spec.shard_of else 1), engines,
+                              spec.engine.sort_window_rows)
+
+
+def _cut(p: Prepared, rows_per_part: int, why: str) -> Prepared:
+    """`p` with its input cut into parts of up to `rows_per_part` rows, and the engine settings for
+    that many parts."""
+    tasks = make_tasks(p.files, rows_per_part)
+    rows = sum(f.num_rows for f in p.files)
+    return replace(p, tasks=tasks, rows_per_part=rows_per_part, rows_per_part_reason=why,
+                   settings=engine_settings(p.spec, p.model, p.max_length, len(tasks), rows))
+
+
+def record_cut(p: Prepared, cleared: bool) -> Prepared:
+    """Before any part is written: the run's cut recorded in the output (the first run on an output
+    fixes it for every later one, or runs meeting on it would write different parts under one name),
+    and `p` cut as recorded, which another run may have done first. `cleared`: the output was just
+    emptied (--overwrite), so what it recorded is gone and the cut is chosen afresh."""
+    n, why = cut_parts(p, recorded=False) if cleared else (p.rows_per_part, p.rows_per_part_reason)
+    got = p.out.record_cut(n, why, replace=p.spec.output.rows_per_part != "auto")
+    if got != n:
+        n, why = got, f"recorded in {p.out.url_of(PARTS)} by the run that made the output"
+    return p if n == p.rows_per_part else _cut(p, n, why)
+
+
+def engine_settings(spec: JobSpec, model: ModelInfo, max_length: int, parts: int | None,
                     rows: int | None = None) -> EngineSettings:
     """The run's engine settings, before any engine starts: on this host, or for Ray's actors, on
     GPUs when they ask for any (a share of one each with ray.num_gpus_per_engine below 1)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .inputs.base import InputFile
+from .output.layout import FORMER_ROWS_PER_PART
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,16 @@ def rows_per_part_for(rows: int, engines: int, window_rows: int) -> int:
     `rows`, but at least one window (engine.sort_window_rows): a smaller part is a smaller
     window, and smaller engine steps."""
     return max(window_rows, rows // (PARTS_PER_ENGINE * max(1, engines)))
+
+
+def auto_rows_per_part(rows: int, engines: int, window_rows: int) -> tuple[int, str]:
+    """output.rows_per_part: auto, and why, for `engines` engines sharing `rows` rows. One engine takes
+    parts of up to FORMER_ROWS_PER_PART rows (the cut of every output before auto); several take about
+    PARTS_PER_ENGINE parts each (rows_per_part_for), no larger, so that they finish together."""
+    if engines < 2:
+        return FORMER_ROWS_PER_PART, "one engine: parts of up to a million rows"
+    n = min(FORMER_ROWS_PER_PART, rows_per_part_for(rows, engines, window_rows))
+    return n, f"about {PARTS_PER_ENGINE} parts for each of {engines} engines over {rows:,} rows"
 
 
 def shard_tasks(tasks: list[Task], shard: tuple[int, int] | None) -> list[Task]:

@@ -17,7 +17,7 @@ from .embed.vectors import MULTI_VECTOR, PACKED, SCALAR, SPARSE
 from .errors import BatchembedError, Interrupted, JobError, RunError
 from .executors.base import engine_key, release, start_engine
 from .executors.schedule import Schedule
-from .job import Prepared, index_column, planned_engines, prepare
+from .job import Prepared, index_column, planned_engines, prepare, record_cut
 from .model import read_model_info
 from .output import leases
 from .output.layout import CALIBRATION, ERRORS, MANIFEST, SUCCESS, OutputState
@@ -61,8 +61,8 @@ def _warn_few_parts(p: Prepared, pending: list[Task]) -> None:
         log.warning("%d parts for %d engines: at the end, engines that are done wait for the last parts, up "
                     "to a part's work each. output.rows_per_part: %d would give about %d parts per engine (a "
                     "part is cut at row-group boundaries, so files need row groups of at most that many rows; "
-                    "`batchembed tune --write` sets it)", len(pending), engines, suggested,
-                    max(1, rows // (suggested * engines)))
+                    "parts are cut by %s)", len(pending), engines, suggested,
+                    max(1, rows // (suggested * engines)), p.rows_per_part_reason)
 
 
 def _execute(p: Prepared, schedule: Schedule, progress, engine, reference) -> RunResult:
@@ -154,6 +154,9 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
         out.clear()
     job = p.fingerprint.with_digest()
     state = out.state(p.tasks, job, p.failed)
+    if not state.complete and (cut := record_cut(p, cleared=overwrite)) is not p:
+        p = cut  # another run made the output first, cutting its input otherwise
+        state = out.state(p.tasks, job, p.failed)
     stats = Stats(tasks_skipped=len(state.done))
     for r in state.done.values():
         stats.add(r)
@@ -352,6 +355,7 @@ def write_manifest(p: Prepared, records: dict[int, dict], stats: Stats, failed: 
         "incremental": p.previous.summary() if p.previous is not None else None,
         "fidelity": {"status": "off"} if spec.fidelity_check == "off" else (
             fidelity.recorded(p) or {"status": "not run", "reason": "no row needed the engine"}),
+        "rows_per_part": p.rows_per_part,
         "parts": [{"name": r["part"], "rows": r["rows"], "input": r["input"],
                    "counts": {k: r.get(k, 0) for k in TOTALS if k != "rows"}}
                   for t in p.tasks if (r := records.get(t.index))],

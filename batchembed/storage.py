@@ -7,6 +7,7 @@ file, which becomes visible only when whole.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -160,6 +161,41 @@ def _publish(fs, remote_path: str, local_path: str | None = None, data: bytes | 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, remote_path)
+
+
+def create_new(fs, path: str, data: bytes) -> bool:
+    """Write `data` at `path` unless something is there already: False when something was. Locally a
+    finished temporary file hard-linked into place (exclusive, and never seen half-written); on S3 a
+    conditional PUT (If-None-Match). A store that takes no condition is written plainly: the caller
+    reads the file back to learn who won."""
+    if is_local(fs):
+        head, name = os.path.split(path)
+        os.makedirs(head, exist_ok=True)
+        tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+
+    def put() -> bool:
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:  # s3fs reads S3's 412 Precondition Failed as EINVAL
+            if e.errno == errno.EINVAL and "condition" in str(e).lower():
+                return False
+            raise
+        except TypeError:  # a filesystem without exclusive writes
+            fs.pipe_file(path, data)
+        return True
+
+    return retry(put, full_url(fs, path))
 
 
 def write_json_atomic(fs, remote_path: str, obj: Any) -> None:

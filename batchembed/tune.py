@@ -27,7 +27,6 @@ from .embed.host import bf16_peak
 from .errors import JobError
 from .job import Prepared, prepare
 from .model import ModelInfo
-from .plan import Task, rows_per_part_for
 from .run import run_job
 
 log = logging.getLogger(__name__)
@@ -79,10 +78,8 @@ def sample_corpus(p: Prepared, rows: int, folder: Path, parts: int) -> int:
     return taken
 
 
-def tune(spec: JobSpec, engines: list[int], rows: int,
-         workdir: str | None = None) -> tuple[list[Trial], str, list[Task]]:
-    """Run the sample with each engine count. Returns the trials, the accelerator's name and the
-    job's whole plan (for tuned_rows_per_part)."""
+def tune(spec: JobSpec, engines: list[int], rows: int, workdir: str | None = None) -> tuple[list[Trial], str]:
+    """Run the sample with each engine count. Returns the trials and the accelerator's name."""
     if spec.executor != "local":
         raise JobError("tune: measures engine.data_parallel on this machine; set executor: local")
     work = Path(workdir or scratch.folder("tune"))
@@ -111,7 +108,7 @@ def tune(spec: JobSpec, engines: list[int], rows: int,
                                 s["engine_start_seconds"], s.get("engine_idle_share"),
                                 flop_share(model, s["tokens"] / max(1, s["embedded"] or 1), running, peak)))
             shutil.rmtree(work / f"out-{k}", ignore_errors=True)
-        return trials, name, p.tasks
+        return trials, name
     finally:
         if workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -129,17 +126,6 @@ def best(trials: list[Trial]) -> Trial:
     and memory cost."""
     top = max(t.running_tokens_per_s for t in trials)
     return min((t for t in trials if t.running_tokens_per_s >= 0.99 * top), key=lambda t: t.engines)
-
-
-def tuned_rows_per_part(spec: JobSpec, engines: int, tasks: list[Task]) -> int | None:
-    """output.rows_per_part for about 30 parts per engine (plan.rows_per_part_for) of the job's
-    plan `tasks`, so the engines finish within a part's work of each other; None when the job sets
-    it, or when its parts are no larger already."""
-    if "rows_per_part" in spec.output.model_fields_set or engines < 2:
-        return None
-    shards = spec.shard_of[1] if spec.shard_of else 1  # each shard's engines get 1/shards of the parts
-    parts = rows_per_part_for(sum(t.num_rows for t in tasks) // shards, engines, spec.engine.sort_window_rows)
-    return parts if tasks and parts < max(t.num_rows for t in tasks) else None
 
 
 def render(trials: list[Trial], accelerator: str) -> str:

@@ -15,7 +15,7 @@ from helpers import job_dict, write_parquet
 from batchembed.cli import cli
 from batchembed.config import load_job
 from batchembed.model import flops_per_token
-from batchembed.tune import Trial, best, tuned_rows_per_part
+from batchembed.tune import Trial, best
 
 pytestmark = pytest.mark.slow  # whole batchembed processes (make test, not make test-fast)
 
@@ -35,9 +35,7 @@ def test_tune_measures_each_count_and_writes_the_best_into_a_copy_of_the_job(tmp
     assert all(t["rows"] == 300 and t["tokens"] > 0 and t["running_tokens_per_s"] > 0 for t in result["trials"])
     tuned = load_job(tmp_path / "tuned.yaml")
     assert tuned.engine.data_parallel in (1, 2) and tuned.output.uri == str(tmp_path / "out")
-    # about 30 parts per engine, no smaller than a window, so engines finish together (one engine:
-    # the job's own parts)
-    assert tuned.output.rows_per_part == (25 if tuned.engine.data_parallel == 2 else 1_000_000)
+    assert tuned.output.rows_per_part == "auto"  # it follows the engines (tests/test_parts.py)
     assert (tmp_path / "job.yaml").read_text() == before  # the job file is never changed
     assert not (tmp_path / "out").exists()  # the trials wrote elsewhere
     # the two-engine trial's processes, as they ended, left this process's multiprocessing folder
@@ -66,27 +64,3 @@ def test_flops_per_token_of_a_bert_and_a_decoder_shape():
     per_layer = 1024 * 16 * 128 + 2 * 1024 * 8 * 128 + 16 * 128 * 1024 + 3 * 1024 * 3072
     assert flops_per_token(qwen, 512) == 2 * 28 * per_layer + 4 * 28 * 16 * 128 * 512
     assert flops_per_token({}, 80) is None
-
-
-def test_tuned_rows_per_part_gives_each_engine_about_30_parts_of_a_window_or_more(tmp_path):
-    write_parquet(tmp_path / "in" / "a.parquet", {"id": list(range(5000)), "text": ["words"] * 5000},
-                  row_group_size=100)
-    job = job_dict(tmp_path / "in", tmp_path / "out", engine={"sort_window_rows": 10})
-    assert _tuned(job, 4) == 5000 // 120
-    assert _tuned({**job, "shard": "0/2"}, 4) == 2500 // 120  # a shard's engines
-    job["engine"]["sort_window_rows"] = 100
-    assert _tuned(job, 4) == 100  # never less than a window
-    job["engine"]["sort_window_rows"] = 8192
-    assert _tuned(job, 4) is None  # the file is one window already
-    assert _tuned(job, 1) is None
-    job["engine"]["sort_window_rows"] = 10
-    job["output"]["rows_per_part"] = 50
-    assert _tuned(job, 4) is None  # the user's choice stands
-
-
-def _tuned(job: dict, engines: int):
-    from batchembed.config import JobSpec
-    from batchembed.job import prepare
-
-    spec = JobSpec.model_validate(job)
-    return tuned_rows_per_part(spec, engines, prepare(spec, check_output=False, warn=False).tasks)

@@ -7,6 +7,8 @@
     _errors/<part>.jsonl   the rows of a part the engine failed, one JSON line each, before it
     _calibration.json      int8 / uint8 ranges, made before any part
     _fidelity.json         the fidelity check's result
+    _parts.json            how the input is cut into parts (output.rows_per_part), fixed by the
+                           first run on the output and kept by every later one
     _manifest.json         after every part is committed
     _SUCCESS               last of all: a reader that sees it sees a finished output
     _runs/, _claims/       live runs' heartbeats and the parts each is embedding (leases.py)
@@ -33,6 +35,7 @@ from typing import Any
 
 from ..errors import JobError, RunError
 from ..storage import (
+    create_new,
     full_url,
     is_local,
     open_fs,
@@ -54,6 +57,9 @@ OLD_MANIFEST = "manifest.json"  # layouts before the underscore: read, and moved
 SUCCESS = "_SUCCESS"
 CALIBRATION = "_calibration.json"
 FIDELITY = "_fidelity.json"
+PARTS = "_parts.json"
+# output.rows_per_part of outputs made before PARTS was written, when it was the fixed default
+FORMER_ROWS_PER_PART = 1_000_000
 
 
 @dataclass
@@ -206,6 +212,31 @@ class OutputFolder:
                 return parse(found, self.url_of(name))
         return None
 
+    def recorded_cut(self) -> tuple[int, str] | None:
+        """(output.rows_per_part, why) this output's parts are cut by: its record, or for an output made
+        before the record (parts or commit records but no PARTS) the fixed default of then; None for an
+        output that holds no part yet."""
+        found = self.read_json(PARTS)
+        if isinstance(found, dict) and isinstance(found.get("rows_per_part"), int):
+            return found["rows_per_part"], f"recorded in {self.url_of(PARTS)} by the run that made the output"
+        if self.commit_paths() or self.fmt.parts(self):
+            return FORMER_ROWS_PER_PART, "the fixed cut of an output made before batchembed 0.8"
+        return None
+
+    def record_cut(self, rows_per_part: int, why: str, replace: bool = False) -> int:
+        """Record the cut before any part is written, unless another run has recorded one (`replace`:
+        the job sets it, and a differing record is rewritten). Returns the cut recorded: every run on
+        the output must cut alike, or they would write different parts under one name."""
+        body = {"rows_per_part": rows_per_part, "why": why}
+        if replace:
+            if self.read_json(PARTS) != body:
+                self.write_json(PARTS, body)
+            return rows_per_part
+        if create_new(self.fs, self.path(PARTS), (json.dumps(body, indent=2) + "\n").encode()):
+            return rows_per_part
+        found = self.read_json(PARTS)
+        return found["rows_per_part"] if isinstance(found, dict) and "rows_per_part" in found else rows_per_part
+
     def finished(self) -> bool:
         return retry(lambda: self.fs.exists(self.path(SUCCESS)), self.url)
 
@@ -297,5 +328,5 @@ class OutputFolder:
         """Remove everything batchembed wrote under the root, marker first."""
         self.remove([self.path(SUCCESS), self.path(MANIFEST), self.path(OLD_MANIFEST), *self.commit_paths()])
         self.fmt.clear(self)
-        self.remove([*self.error_files(), self.path(CALIBRATION), self.path(FIDELITY)])
+        self.remove([*self.error_files(), self.path(CALIBRATION), self.path(FIDELITY), self.path(PARTS)])
         leases.sweep(self)

@@ -19,7 +19,6 @@ the writer's clock with the reader's: hosts are expected to keep time (NTP) with
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ import time
 import uuid
 
 from ..procguard import identity, is_alive
-from ..storage import full_url, is_local, read_json, remove, retry, write_json_atomic
+from ..storage import create_new, is_local, read_json, remove, retry, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -121,32 +120,7 @@ class Leases:
 
     def _create(self, path: str, record: dict) -> bool:
         """Write `record` at `path` unless something is there: False when something was."""
-        data = (json.dumps(record) + "\n").encode()
-        fs = self.out.fs
-        if is_local(fs):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
-
-        def put() -> bool:
-            try:
-                fs.pipe_file(path, data, mode="create")
-            except FileExistsError:
-                return False
-            except OSError as e:  # s3fs reads S3's 412 Precondition Failed as EINVAL
-                if e.errno == errno.EINVAL and "condition" in str(e).lower():
-                    return False
-                raise
-            except TypeError:  # a filesystem without exclusive writes: the read-back decides
-                fs.pipe_file(path, data)
-            return True
-
-        return retry(put, full_url(fs, path))
+        return create_new(self.out.fs, path, (json.dumps(record) + "\n").encode())
 
     def _claim_path(self, part_id: str) -> str:
         return self.out.path(f"{CLAIMS}/{part_id}.json")

@@ -97,6 +97,7 @@ class Manifest(_Section):
     counts: dict[str, int]
     incremental: dict[str, Any] | None = None
     fidelity: dict[str, Any] | None = None
+    rows_per_part: int | None = None  # the input's cut into parts (layout.PARTS); None before 0.8
     parts: list[PartEntry] = []
     failed: list[dict[str, Any]] = []
     failed_rows: FailedRows = Field(default_factory=FailedRows)

@@ -6,6 +6,8 @@ Variants (texts of exactly max_length tokens: docstrings joined long enough, the
   bge-default, bge-tuned       bge-base shape @ 80 tokens (--bge-rows)
   minilm-default, minilm-tuned all-MiniLM-L6-v2 @ 256 tokens (--minilm-rows)
   qwen-default, qwen-tuned     Qwen3-0.6B shape @ 512 tokens (--qwen-rows)
+  qwen-fp8                     the Qwen3 job as written with vLLM's fp8 weights, and the fidelity
+                               guard's cosine to the bf16 reference beside it
 The bge and Qwen3 shapes have random weights (benchmarks/models.py), made on the machine. Each run
 records tokens/s over the whole process and while every engine ran, the engines, the share of the
 GPU's bf16 FLOP ceiling, the host's busy cores and the GPU's busy share over the middle of the run,
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import yaml
 
@@ -35,7 +38,8 @@ class Gpu(Case):
     help = __doc__
     variants = {"startup": "MiniLM, 3,000 rows, process start to exit",
                 **{f"{k}-{how}": f"{k} @ {JOBS[k][0]}, {'as written' if how == 'default' else 'as tune wrote it'}"
-                   for k in JOBS for how in ("default", "tuned")}}
+                   for k in JOBS for how in ("default", "tuned")},
+                "qwen-fp8": "qwen @ 512, as written with engine.vllm_args.quantization: fp8"}
     ab_variants = tuple(variants)
     columns = [("engines", "engines", "d"), ("tok_s_running", "tok/s all engines running", ",.0f"),
                ("tok_s_whole", "tok/s whole process", ",.0f"), ("wall_s", "whole s", ".1f"),
@@ -54,8 +58,6 @@ class Gpu(Case):
         ap.add_argument("--tiny", action="store_true", help="two-layer shapes and small corpora, to try the suite")
 
     def model(self, ctx: Context, key: str) -> str:
-        from pathlib import Path
-
         if key == "minilm":
             return ctx.args.minilm
         root = Path(ctx.args.models).expanduser() if ctx.args.models else \
@@ -102,6 +104,11 @@ class Gpu(Case):
         key, _, how = variant.partition("-")
         job, extra = (self.tuned(ctx, key) if how == "tuned" else (self.job(ctx, key), {}))
         spec = yaml.safe_load(open(job))
+        if how == "fp8":
+            spec.setdefault("engine", {}).setdefault("vllm_args", {})["quantization"] = "fp8"
+            job = str(ctx.workdir / f"job-{key}-fp8.yaml")
+            with open(job, "w") as f:
+                yaml.safe_dump(spec, f)
         shutil.rmtree(spec["output"]["uri"], ignore_errors=True)
         m = ctx.batchembed("run", job, "--no-progress", log=f"{variant}-{ctx.code_label}")
         s = m.summary()
@@ -115,6 +122,9 @@ class Gpu(Case):
         r["cores_per_mtok_s"] = round(r["busy_cores"] / (running / 1e6), 2) if r["busy_cores"] else None
         if extra:
             r["tune_s"] = extra["tune_s"]
+        guard = Path(spec["output"]["uri"]) / "_fidelity.json"
+        if guard.exists():  # the engine's vectors against the reference's on a sample, at start
+            r["fidelity_min_cosine"] = json.loads(guard.read_text()).get("min_cosine")
         shutil.rmtree(spec["output"]["uri"], ignore_errors=True)
         return r
 
@@ -124,6 +134,10 @@ class Gpu(Case):
             d, t = medians.get(f"{key}-default"), medians.get(f"{key}-tuned")
             if d and t:
                 out[f"{key}: default / tuned, whole"] = round(d["tok_s_whole"] / t["tok_s_whole"], 3)
+                out[f"{key}: default / tuned, running"] = round(d["tok_s_running"] / t["tok_s_running"], 3)
+        d, q = medians.get("qwen-default"), medians.get("qwen-fp8")
+        if d and q:
+            out["qwen: fp8 / bf16, running"] = round(q["tok_s_running"] / d["tok_s_running"], 3)
         return out
 
 
