@@ -29,7 +29,7 @@ from ..harness import MODEL, Case, Context, job_file
 from ..models import make
 
 # model key -> (max_length, min_chars so every text reaches it, rows option, tune engines, tune rows)
-JOBS = {"bge": (80, 500, "bge_rows", "4,6,8", 200_000), "minilm": (256, 1000, "minilm_rows", "1,2,4", 40_000),
+JOBS = {"bge": (80, 500, "bge_rows", "4,6,8", 200_000), "minilm": (256, 1000, "minilm_rows", "4,8", 200_000),
         "qwen": (512, 3000, "qwen_rows", "1,2", 4_000)}
 
 
@@ -116,7 +116,7 @@ class Gpu(Case):
         r = {"engines": s["engines"], "rows": s["rows"], "tokens": s["tokens"], "wall_s": round(m.wall_s, 2),
              "tok_s_whole": round(s["tokens"] / m.wall_s), "tok_s_running": round(running),
              "engine_start_s": s["engine_start_seconds"], "tail_s": s.get("tail_seconds"),
-             "rows_per_part": spec["output"].get("rows_per_part"), "busy_cores": m.busy_cores_mid_run(),
+             "rows_per_part": _manifest(spec).get("rows_per_part"), "busy_cores": m.busy_cores_mid_run(),
              "gpu_busy_pct": m.gpu_busy_mid_run(), "tree_rss_mb": m.tree_rss_mb,
              "flop_share_running": flop_share(spec["model"]["name"], s["tokens"] / max(1, s["rows"]), running)}
         r["cores_per_mtok_s"] = round(r["busy_cores"] / (running / 1e6), 2) if r["busy_cores"] else None
@@ -139,6 +139,11 @@ class Gpu(Case):
         if d and q:
             out["qwen: fp8 / bf16, running"] = round(q["tok_s_running"] / d["tok_s_running"], 3)
         return out
+
+
+def _manifest(spec: dict) -> dict:
+    path = Path(spec["output"]["uri"]) / "_manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def flop_share(model: str, tokens_per_row: float, rate: float) -> float | None:
