@@ -25,7 +25,7 @@ from .errors import JobError, RunError
 from .inputs.base import InputFile, inspect_inputs
 from .inputs.rows import needed_columns, select_rows
 from .model import REPRESENTATIONS, ModelInfo, model_content_hash, read_model_info
-from .output.layout import LAYOUT, PARTS, OutputFolder
+from .output.layout import FORMER_ROWS_PER_PART, LAYOUT, PARTS, OutputFolder
 from .plan import Task, auto_rows_per_part, make_tasks
 from .reuse import TEXT_HASH, open_previous
 from .storage import RetryPolicy
@@ -348,8 +348,8 @@ def cut_parts(p: Prepared, recorded: bool) -> tuple[int, str]:
     found = p.out.recorded_cut() if recorded else None
     if found is not None:
         return found
-    before = p.previous.manifest.rows_per_part if p.previous is not None and p.previous.same_job else None
-    if before:
+    if p.previous is not None and p.previous.same_job:  # a manifest of 0.7 or earlier: the fixed cut of then
+        before = p.previous.manifest.rows_per_part or FORMER_ROWS_PER_PART
         return before, f"the previous output's ({p.previous.uri}), so that its unchanged parts are copied whole"
     rows = sum(f.num_rows for f in p.files)
     engines = engine_settings(spec, p.model, p.max_length, None, rows).engines

@@ -103,3 +103,9 @@ def test_a_reindex_takes_the_previous_output_s_cut_so_its_parts_are_copied_whole
     stats = run_job(_job(corpus, 2, "v2", incremental={"previous": str(corpus / "v1")}), engine=engine,
                     show_progress=False)
     assert _recorded(corpus / "v2") == ROWS // 120 and engine.calls == 0 and stats.reused == ROWS
+    # a previous output of 0.7 or earlier, whose manifest has no cut, was cut by a million rows
+    manifest = json.loads((corpus / "v1" / "_manifest.json").read_text())
+    del manifest["rows_per_part"]
+    (corpus / "v1" / "_manifest.json").write_text(json.dumps(manifest))
+    p = prepare(_job(corpus, 4, "v3", incremental={"previous": str(corpus / "v1")}), warn=False)
+    assert p.rows_per_part == 1_000_000 and "previous output" in p.rows_per_part_reason
