@@ -1,5 +1,7 @@
-"""The host's tokenising cost: microseconds a row on one thread, long texts tokenised whole against
-tokenised only up to a cut before the limit, and that both give the same ids. Docstrings joined to
+"""The host's cost a row before the GPU: microseconds a row on one thread, long texts tokenised whole
+against tokenised only up to a cut before the limit (and that both give the same ids), and the
+token ids handed to vLLM (`Engine.submit`: vLLM's add_request for each row, with its engine core in a
+process of its own as on a GPU host; the rows are taken back unembedded). Docstrings joined to
 --min-chars, at each --lengths max_length.
 """
 
@@ -16,7 +18,8 @@ from .throughput import MODEL
 class Tokenize(Case):
     name = "tokenize"
     help = __doc__
-    variants = {"whole": "every text tokenised whole, then truncated", "cut": "tokenised up to a cut (the default)"}
+    variants = {"whole": "every text tokenised whole, then truncated", "cut": "tokenised up to a cut (the default)",
+                "submit": "token ids handed to vLLM, a row at a time (Engine.submit)"}
     columns = [(f"us_per_row_{n}", f"µs a row @ {n}", ".1f") for n in (80, 256, 512)]
 
     def add_args(self, ap):
@@ -25,6 +28,7 @@ class Tokenize(Case):
         ap.add_argument("--lengths", default="80,256,512")
         ap.add_argument("--model", default=MODEL)
         ap.add_argument("--window", type=int, default=8192, help="rows tokenised a call (engine.sort_window_rows)")
+        ap.add_argument("--submit-rows", type=int, default=5000, help="rows handed to vLLM at each length")
 
     def prepare(self, ctx):
         a = ctx.args
@@ -33,6 +37,8 @@ class Tokenize(Case):
         return {}
 
     def measure(self, variant, ctx):
+        if variant == "submit":  # an engine of its own, in a fresh process
+            return {k: v for k, v in self.in_child(variant, ctx).items() if k.startswith("us_per_row")}
         os.environ["RAYON_NUM_THREADS"] = "1"  # the work itself, not a pool's
         import pyarrow.parquet as pq
 
@@ -54,6 +60,38 @@ class Tokenize(Case):
             for i in range(0, len(texts), a.window):
                 tok(texts[i:i + a.window])
             r[f"us_per_row_{n}"] = round((time.perf_counter() - t0) / len(texts) * 1e6, 1)
+        return r
+
+    def child(self, variant, ctx):
+        import dataclasses
+
+        import pyarrow.parquet as pq
+
+        from batchembed.config import EngineSpec
+        from batchembed.embed.engine import Engine
+        from batchembed.embed.tokenizer import Tokenizer
+        from batchembed.model import read_model_info
+
+        a = ctx.args
+        model = read_model_info(a.model)
+        texts = pq.read_table(ctx.workdir / "corpus").column("text").to_pylist()[:a.submit_rows]
+        r = {}
+        for n in (int(x) for x in a.lengths.split(",")):
+            if n > model.max_length:  # beyond the model's positions: no engine takes it
+                r[f"us_per_row_{n}"] = None
+                continue
+            ids = Tokenizer(model.path, n)(texts).ids
+            engine = Engine(dataclasses.replace(model, max_length=n), "float32", n, EngineSpec(in_process=False))
+            try:
+                warm = engine.submit(ids[:64])
+                while not warm.done:
+                    engine.step()
+                t0 = time.perf_counter()
+                engine.submit(ids)
+                r[f"us_per_row_{n}"] = round((time.perf_counter() - t0) / len(ids) * 1e6, 1)
+                engine.abort()
+            finally:
+                engine.close()
         return r
 
 
