@@ -22,5 +22,19 @@ fi
 # beside the CPU torch it pins ("operator torchvision::nms does not exist") and
 # break transformers' optional imports. Nothing here needs them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# TCMalloc keeps the CPU engine's memory flat over a long run (docs/install.md). Where the system has
+# none, Debian's or Ubuntu's package is unpacked into .venv/lib, where batchembed looks for it too:
+# no system-wide install, no root.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so* /usr/lib*/libtcmalloc_minimal.so* >/dev/null 2>&1 \
+    && ! ls .venv/lib/libtcmalloc_minimal.so* >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+  tmp=$(mktemp -d)
+  if (cd "$tmp" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1) && dpkg-deb -x "$tmp"/*.deb "$tmp/x"; then
+    cp -P "$tmp"/x/usr/lib/*/libtcmalloc_minimal.so.4* .venv/lib/
+    echo "setup: TCMalloc (libtcmalloc-minimal4) unpacked into .venv/lib"
+  else
+    echo "setup: no TCMalloc found or fetched: on CPU the run's memory grows (apt-get install libtcmalloc-minimal4)"
+  fi
+  rm -rf "$tmp"
+fi
 .venv/bin/python -c "import batchembed, pyarrow, tokenizers; print('setup: ok, batchembed', batchembed.__version__)"
 echo "$want" > "$STAMP"

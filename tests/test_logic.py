@@ -208,3 +208,21 @@ def test_packages_without_bytecode_are_found_and_the_run_says_how_to_compile_the
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "PYTHONDONTWRITEBYTECODE" in warnings[0]
     assert f"-m compileall -q -j 0 {site}`" in warnings[0]
+
+
+def test_tcmalloc_is_found_in_the_environment_where_the_system_has_none(tmp_path, monkeypatch):
+    # make setup unpacks Debian's package into .venv/lib where the system has no TCMalloc
+    import sys
+
+    from batchembed.embed import host
+
+    monkeypatch.setattr(host, "_TCMALLOC_DIRS", (str(tmp_path / "system"),))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    assert host.tcmalloc_path() is None
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    lib = tmp_path / "venv" / "lib" / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    assert host.tcmalloc_path() == str(lib)
+    (tmp_path / "system").mkdir()
+    (tmp_path / "system" / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    assert host.tcmalloc_path() == str(tmp_path / "system" / "libtcmalloc_minimal.so.4")  # the system's first

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import sys
 
 from ..errors import RunError
 
@@ -46,8 +47,9 @@ _TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/u
 
 
 def tcmalloc_path() -> str | None:
-    """The system's TCMalloc (Debian/Ubuntu: libtcmalloc-minimal4), or None."""
-    for d in _TCMALLOC_DIRS:
+    """The system's TCMalloc (Debian/Ubuntu: libtcmalloc-minimal4), else one in this environment's
+    lib folder (where `make setup` unpacks that package when the system has none), or None."""
+    for d in (*_TCMALLOC_DIRS, os.path.join(sys.prefix, "lib")):
         for pattern in ("libtcmalloc_minimal.so*", "libtcmalloc.so*"):
             found = sorted(f for f in glob.glob(os.path.join(d, pattern)) if "debug" not in f)
             if found:
