@@ -12,14 +12,23 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import JobError
 
 log = logging.getLogger(__name__)
+
+
+def _count_or_auto(v: int | str) -> int | str:
+    if v != "auto" and v < 1:
+        raise ValueError("must be at least 1, or auto")
+    return v
+
+
+CountOrAuto = Annotated[int | Literal["auto"], AfterValidator(_count_or_auto)]
 
 
 class _Strict(BaseModel):
@@ -174,7 +183,7 @@ class OutputSpec(_Strict):
     format: Literal["parquet", "lance"] = Field("parquet", description="parquet: one file per part; lance: "
                                                 "one Lance dataset (pip install 'batchembed[lance]')")
     storage_options: dict[str, Any] = Field({}, description="passed to fsspec (and to Lance) for output.uri")
-    rows_per_part: int | Literal["auto"] = Field(
+    rows_per_part: CountOrAuto = Field(
         "auto", description="a part (a file of the output, and the unit of work an engine takes) holds the "
         "input's row groups up to this many rows. auto: up to 1,000,000 with one engine; with several, about "
         "30 parts for each, so that they finish together. The first run on an output records the cut in "
@@ -187,13 +196,6 @@ class OutputSpec(_Strict):
     index: IndexSpec | None = Field(None, description="format lance: a vector index built once every part "
                                     "is committed (kept on a rerun when it covers every row)")
 
-    @field_validator("rows_per_part")
-    @classmethod
-    def _a_positive_count(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError("must be at least 1, or auto")
-        return v
-
 
 class EngineSpec(_Strict):
     token_budget: int | None = Field(None, ge=16, description="most tokens in one engine step; "
@@ -204,20 +206,13 @@ class EngineSpec(_Strict):
     windows_in_flight: int = Field(2, ge=1, description="windows queued on the engine at once: with 2 it "
                                    "starts the next window while the last one's vectors are collected; 1 "
                                    "lets it drain at every window's end")
-    data_parallel: int | Literal["auto"] = Field(
+    data_parallel: CountOrAuto = Field(
         "auto", description="engines pulling parts from one list (engine processes on this machine, or Ray "
         "actors with executor: ray): one per GPU, or several on one GPU (small models: one engine's Python "
         "front end is the limit), or one per slice of the CPU cores. auto: on a GPU, as many as the GPUs' "
         "compute takes for this model and model.max_length, at most what the host's cores feed; on CPU and "
         "with executor: ray, 1. The choice and its reason are logged, shown by plan and recorded in the "
         "manifest; `batchembed tune` measures it instead")
-
-    @field_validator("data_parallel")
-    @classmethod
-    def _at_least_one(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError("must be at least 1, or auto")
-        return v
     enforce_eager: bool | None = Field(None, description="true: no torch.compile or CUDA graphs; default: "
                                        "eager for encoders (BERT-like) and on CPU, compiled for decoder "
                                        "embedders (Qwen3-Embedding) on a GPU (the first start compiles, "
