@@ -94,6 +94,13 @@ class Prepared:
     rows_per_part: int = 0  # the cut of the input into parts (cut_parts), and why
     rows_per_part_reason: str = ""
 
+    def worker_spec(self) -> dict:
+        """The job as an engine process or Ray actor prepares it again: with this run's cut, so that
+        its parts are the ones this run schedules."""
+        spec = self.spec.model_dump(mode="json")
+        spec["output"]["rows_per_part"] = self.rows_per_part
+        return spec
+
     @property
     def output_schema(self) -> pa.Schema:
         schema = self.files[0].schema

@@ -155,7 +155,7 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
     job = p.fingerprint.with_digest()
     state = out.state(p.tasks, job, p.failed)
     if not state.complete and (cut := record_cut(p, cleared=overwrite)) is not p:
-        p = cut  # another run made the output first, cutting its input otherwise
+        p = cut  # as another run recorded it first, or chosen afresh after --overwrite
         state = out.state(p.tasks, job, p.failed)
     stats = Stats(tasks_skipped=len(state.done))
     for r in state.done.values():

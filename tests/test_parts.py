@@ -42,6 +42,7 @@ def test_auto_gives_each_of_several_engines_about_30_parts_of_a_window_or_more()
 def test_prepare_cuts_by_the_engines_the_job_gets_and_the_job_s_own_value_stands(corpus):
     p = prepare(_job(corpus, 4), check_output=False, warn=False)
     assert p.settings.engines == 4 and p.rows_per_part == ROWS // 120 and len(p.tasks) == 125
+    assert p.worker_spec()["output"]["rows_per_part"] == ROWS // 120  # engine processes plan the same parts
     assert prepare(_job(corpus, 4, shard="0/2"), check_output=False, warn=False).rows_per_part == ROWS // 2 // 120
     assert prepare(_job(corpus, 1), check_output=False, warn=False).rows_per_part == 1_000_000
     given = prepare(_job(corpus, 4, output={"rows_per_part": 50}), check_output=False, warn=False)

@@ -268,7 +268,7 @@ def _supervise(p: Prepared, schedule: Schedule, progress, replicas: int,
     workdir = tempfile.TemporaryDirectory(prefix=scratch.prefix("engines"))
     start_lock = os.path.join(workdir.name, "start.lock")
     open(start_lock, "wb").close()
-    spec = p.spec.model_dump(mode="json")
+    spec = p.worker_spec()
     level = logging.getLogger("batchembed").getEffectiveLevel()
     schedule.restarts = Restarts(schedule.restarts.limit, counts)
 

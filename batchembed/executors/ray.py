@@ -142,7 +142,7 @@ def _drive(ray, p: Prepared, schedule: Schedule, progress, local: bool) -> RunRe
     # Ray's own actor restarts are off: a lost actor is replaced here, where its parts are known
     actor_cls = ray.remote(num_cpus=cfg.num_cpus_per_engine, num_gpus=cfg.num_gpus_per_engine,
                            max_restarts=0, max_task_retries=0)(EngineActor)
-    spec, settings = p.spec.model_dump(mode="json"), p.settings.as_dict()
+    spec, settings = p.worker_spec(), p.settings.as_dict()
     actors: dict[int, object] = {}
     starting: dict[object, tuple[int, float]] = {}  # ready() ref -> (slot, when asked)
     running: dict[object, tuple[int, str]] = {}  # run_part ref -> (slot, part)
