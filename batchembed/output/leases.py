@@ -9,7 +9,7 @@ that ends removes its heartbeat and claims, and one killed outright stops beatin
 lapse within output.lease_s and another run takes its parts over. One heartbeat per run, not one lease
 per part, keeps the writes to one per interval however many parts a run holds.
 
-A new claim is created exclusively: an O_EXCL create on local disk, a conditional PUT (If-None-Match)
+A new claim is created exclusively (storage.create_new): a hard link on local disk, a conditional PUT (If-None-Match)
 on S3. A lapsed claim is overwritten and read back. Two runs taking over the same lapsed claim at the
 same moment, or a store that ignores the condition, can both embed that part: work done twice, never a
 wrong output, since a part is published whole and identical by either run (layout.py). Expiry compares
