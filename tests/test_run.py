@@ -307,7 +307,7 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     assert cols["embedding_64"]["dim"] == 64 and cols["embedding_64"]["vectors_checked"] == 2
     assert abs(cols["embedding_64"]["norm_min"] - 1) < 1e-3 and len(info["sample"]) == 3
     text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")]).output
-    assert "3 rows in 1 parts, finished" in text and "embedding_384" in text
+    assert "3 rows in 1 parts of up to 1,000,000 rows, finished" in text and "embedding_384" in text
     # a job file names its output (and its storage options) to inspect and verify as to report
     import yaml
     from helpers import job_dict
@@ -315,7 +315,7 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out",
                                            embedding={"dimensions": [384, 64]})))
-    assert "3 rows in 1 parts, finished" in CliRunner().invoke(cli, ["inspect", str(job)]).output
+    assert "3 rows in 1 parts of up to 1,000,000 rows, finished" in CliRunner().invoke(cli, ["inspect", str(job)]).output
     r = CliRunner().invoke(cli, ["verify", str(job)])
     assert r.exit_code == 0 and r.output.startswith("ok: 1 parts, 3 rows"), r.output
     # a nightly job's output is the job file with the run's --set; an output URI takes none

@@ -108,9 +108,10 @@ def _sizes(col) -> tuple[np.ndarray, np.ndarray]:
 
 def render(info: dict) -> str:
     """A plain-text table of an inspect result."""
-    lines = [f"{info['output']}: {info.get('format', 'parquet')}, {info['rows']:,} rows in {info['parts']} parts, "
-             f"{'finished (_SUCCESS)' if info['finished'] else 'NOT finished (no _SUCCESS)'}"]
     m = info.get("manifest") or {}
+    cut = f" of up to {m['rows_per_part']:,} rows" if m.get("rows_per_part") else ""
+    lines = [f"{info['output']}: {info.get('format', 'parquet')}, {info['rows']:,} rows in {info['parts']} parts{cut}, "
+             f"{'finished (_SUCCESS)' if info['finished'] else 'NOT finished (no _SUCCESS)'}"]
     if m:
         lines.append(f"model {m['model']['name']} ({m['model']['hash'][:19]}), dtype {m['model']['dtype']}, "
                      f"max_length {m['model']['max_length']}, prefix {m['model']['prefix']!r}; "
