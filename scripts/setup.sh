@@ -25,8 +25,8 @@ fi
 # TCMalloc keeps the CPU engine's memory flat over a long run (docs/install.md). Where the system has
 # none, Debian's or Ubuntu's package is unpacked into .venv/lib, where batchembed looks for it too:
 # no system-wide install, no root.
-if ! ls /usr/lib/*/libtcmalloc_minimal.so* /usr/lib*/libtcmalloc_minimal.so* >/dev/null 2>&1 \
-    && ! ls .venv/lib/libtcmalloc_minimal.so* >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+has_tcmalloc() { .venv/bin/python -c "import sys; from batchembed.embed.host import tcmalloc_path; sys.exit(not tcmalloc_path())"; }
+if ! has_tcmalloc && command -v apt-get >/dev/null; then
   tmp=$(mktemp -d)
   if (cd "$tmp" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1) && dpkg-deb -x "$tmp"/*.deb "$tmp/x"; then
     cp -P "$tmp"/x/usr/lib/*/libtcmalloc_minimal.so.4* .venv/lib/

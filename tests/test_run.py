@@ -315,7 +315,8 @@ def test_inspect_shows_dims_norms_and_rows(tmp_path, engine):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tmp_path / "in.parquet", tmp_path / "out",
                                            embedding={"dimensions": [384, 64]})))
-    assert "3 rows in 1 parts of up to 1,000,000 rows, finished" in CliRunner().invoke(cli, ["inspect", str(job)]).output
+    shown = CliRunner().invoke(cli, ["inspect", str(job)]).output
+    assert "3 rows in 1 parts of up to 1,000,000 rows, finished" in shown
     r = CliRunner().invoke(cli, ["verify", str(job)])
     assert r.exit_code == 0 and r.output.startswith("ok: 1 parts, 3 rows"), r.output
     # a nightly job's output is the job file with the run's --set; an output URI takes none
