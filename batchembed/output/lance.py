@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 SEP = "__"  # data/<part>__<uuid>.lance
 DIRS = ("_versions", "_transactions", "_indices", "_deletions", "_refs", "data")
 COMMIT_ATTEMPTS = 50
+_CREATING = threading.Lock()  # LanceFormat._create
 INDEX_TYPES = {"ivf_pq": "IVF_PQ", "ivf_hnsw_sq": "IVF_HNSW_SQ"}
 
 
@@ -169,6 +171,14 @@ class LanceOutput:
             raise
 
     def _create(self, folder, schema: pa.Schema) -> None:
+        # One thread of this process at a time, and none once the dataset is there: Lance's create
+        # commits an Overwrite, which no concurrent commit conflicts with, so a second create after
+        # another thread's first parts would empty the dataset (parts copied by a reindex's threads).
+        with _CREATING:
+            if self.dataset(folder) is None:
+                self._create_once(folder, schema)
+
+    def _create_once(self, folder, schema: pa.Schema) -> None:
         if is_local(folder.fs):
             os.makedirs(folder.root, exist_ok=True)
         try:
