@@ -148,9 +148,15 @@ def _publish(fs, remote_path: str, local_path: str | None = None, data: bytes | 
         else:
             fs.pipe_file(remote_path, data)
         return
-    fs.makedirs(os.path.dirname(remote_path), exist_ok=True)
-    # a dot-name, which dataset readers skip: a crash mid-write leaves nothing they would read
-    head, name = os.path.split(remote_path)
+    os.replace(_temp_beside(remote_path, local_path, data), remote_path)
+
+
+def _temp_beside(path: str, local_path: str | None = None, data: bytes | None = None) -> str:
+    """A finished, fsynced temporary file beside local `path` holding `data` (or `local_path`'s
+    bytes), under a dot-name, which dataset readers skip: a crash mid-write leaves nothing they
+    would read. Its path, to rename or link into place."""
+    head, name = os.path.split(path)
+    os.makedirs(head, exist_ok=True)
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex}")
     with open(tmp, "wb") as f:
         if data is None:
@@ -160,7 +166,7 @@ def _publish(fs, remote_path: str, local_path: str | None = None, data: bytes | 
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, remote_path)
+    return tmp
 
 
 def create_new(fs, path: str, data: bytes) -> bool:
@@ -169,11 +175,7 @@ def create_new(fs, path: str, data: bytes) -> bool:
     conditional PUT (If-None-Match). A store that takes no condition is written plainly: the caller
     reads the file back to learn who won."""
     if is_local(fs):
-        head, name = os.path.split(path)
-        os.makedirs(head, exist_ok=True)
-        tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(data)
+        tmp = _temp_beside(path, data=data)
         try:
             os.link(tmp, path)
         except FileExistsError:
