@@ -124,6 +124,52 @@ def test_publishing_the_same_parts_from_many_threads_leaves_each_once(tmp_path):
     assert lance.dataset(str(tmp_path / "ds.lance")).count_rows() == 550
 
 
+def _publish_parts_when_told(root: str, rounds: int, who: int, parts: int, barrier) -> None:
+    schema = pa.schema([("id", pa.int64()), ("v", pa.list_(pa.float32(), 4))])
+    for r in range(rounds):
+        folder = OutputFolder.open(f"{root}/ds{r}.lance", fmt="lance")
+        barrier.wait()  # every process finds no dataset, and creates it, at the same moment
+        for p in range(who * parts, (who + 1) * parts):
+            w = folder.writer(schema, "zstd")
+            w.write(pa.table({"id": [p] * 10, "v": [[p, 0, 0, 1]] * 10}, schema=schema))
+            w.close()
+            folder.fmt.publish(folder, w, f"part-{p}")
+            w.discard()
+
+
+def test_engine_processes_creating_one_new_lance_dataset_at_once_lose_no_part(tmp_path):
+    """Engine processes publish the first parts of a new output at once: exactly one creates the
+    dataset, and no create lands after (and empties) another's first parts."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs, rounds, parts = 4, 4, 2
+    barrier = ctx.Barrier(procs)
+    ps = [ctx.Process(target=_publish_parts_when_told, args=(str(tmp_path), rounds, who, parts, barrier))
+          for who in range(procs)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(timeout=240)
+    assert [p.exitcode for p in ps] == [0] * procs
+    for r in range(rounds):
+        ds = lance.dataset(str(tmp_path / f"ds{r}.lance"))
+        assert sorted(set(ds.to_table(columns=["id"]).column("id").to_pylist())) == list(range(procs * parts))
+        assert ds.count_rows() == procs * parts * 10
+
+
+def test_creating_a_lance_dataset_that_is_there_keeps_its_rows(tmp_path):
+    """The create commits nothing over a dataset another made first (what the race above relies on)."""
+    folder = OutputFolder.open(str(tmp_path / "ds.lance"), fmt="lance")
+    schema = pa.schema([("id", pa.int64())])
+    folder.fmt._create(folder, schema)
+    lance.write_dataset(pa.table({"id": [1, 2, 3]}), str(tmp_path / "ds.lance"), mode="append")
+    version = lance.dataset(str(tmp_path / "ds.lance")).version
+    folder.fmt._create(folder, schema)
+    ds = lance.dataset(str(tmp_path / "ds.lance"))
+    assert (ds.count_rows(), ds.version) == (3, version)
+
+
 def test_failed_rows_keep_null_vectors_in_lance_and_a_rerun_redoes_their_part_once(tmp_path, model_info):
     from batchembed.embed.tokenizer import Tokenizer
 

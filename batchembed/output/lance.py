@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import random
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -48,7 +47,6 @@ log = logging.getLogger(__name__)
 SEP = "__"  # data/<part>__<uuid>.lance
 DIRS = ("_versions", "_transactions", "_indices", "_deletions", "_refs", "data")
 COMMIT_ATTEMPTS = 50
-_CREATING = threading.Lock()  # LanceFormat._create
 INDEX_TYPES = {"ivf_pq": "IVF_PQ", "ivf_hnsw_sq": "IVF_HNSW_SQ"}
 
 
@@ -171,20 +169,18 @@ class LanceOutput:
             raise
 
     def _create(self, folder, schema: pa.Schema) -> None:
-        # One thread of this process at a time, and none once the dataset is there: Lance's create
-        # commits an Overwrite, which no concurrent commit conflicts with, so a second create after
-        # another thread's first parts would empty the dataset (parts copied by a reindex's threads).
-        with _CREATING:
-            if self.dataset(folder) is None:
-                self._create_once(folder, schema)
-
-    def _create_once(self, folder, schema: pa.Schema) -> None:
+        """Create the dataset unless it is there: exclusively, whoever else (thread, engine process,
+        another run) creates it at the same moment. Lance's own create (`write_dataset`, mode
+        "create") checks first and commits an Overwrite after, and an Overwrite conflicts with no
+        other commit: a create that lost the race would commit over the winner's first parts and
+        empty the dataset. Committed here with no retries, the create writes the first version or
+        fails, and a failure with the dataset there is another's create."""
         if is_local(folder.fs):
             os.makedirs(folder.root, exist_ok=True)
         try:
-            lance.write_dataset(pa.Table.from_batches([], schema), self._uri(folder), schema=schema, mode="create",
-                                storage_options=lance_options(folder.fs))
-        except Exception as e:  # noqa: BLE001 - another run created it first, or the store said no
+            lance.LanceDataset.commit(self._uri(folder), lance.LanceOperation.Overwrite(schema, []),
+                                      storage_options=lance_options(folder.fs), max_retries=0)
+        except Exception as e:  # noqa: BLE001 - another created it first, or the store said no
             if not self._exists(folder):
                 raise RunError(f"output.uri: cannot create a Lance dataset at {folder.url}: {e}") from None
 
