@@ -102,10 +102,14 @@ class Prepared:
         return spec
 
     @property
+    def kept_columns(self) -> list[str]:
+        """The input's columns written beside the vectors: the id, then input.carry_columns."""
+        return [c for c in dict.fromkeys([self.spec.input.id_column, *self.spec.input.carry_columns]) if c]
+
+    @property
     def output_schema(self) -> pa.Schema:
         schema = self.files[0].schema
-        cols = [c for c in [self.spec.input.id_column, *self.spec.input.carry_columns] if c]
-        fields = [schema.field(c) for c in dict.fromkeys(cols)]
+        fields = [schema.field(c) for c in self.kept_columns]
         fields.append(pa.field(TEXT_HASH, pa.uint64()))
         names = column_names(self.dimensions)
         fields += [pa.field(names[d], vector_type(d, self.spec.embedding.output_dtype)) for d in self.dimensions]

@@ -95,7 +95,7 @@ def plan_rows(tok, rows: np.ndarray, token_budget: int, max_rows: int) -> RowPla
 
     if not tok.chunks:
         order = batch_order(tok.lengths[rows])
-        return RowPlan([tok.ids[i] for i in rows[order].tolist()], order, len(rows))
+        return RowPlan(tok.ids.lists(rows[order].tolist()), order, len(rows))
     seqs, owner = [], []
     for k, i in enumerate(rows.tolist()):
         for ids in tok.chunks.get(i, (tok.ids[i],)):

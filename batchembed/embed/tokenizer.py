@@ -13,9 +13,11 @@ checked on a few rows of every batch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,11 +104,49 @@ def cut_safe(tokenizer_json: str) -> str | None:
     return None
 
 
+class TokenIds(Sequence):
+    """Token ids of many sequences in one int32 array, read back a sequence at a time as a list.
+
+    A list of Python ints costs about 36 bytes a token, this 4: windows wait tokenised in the
+    pipeline's queues (at 512 tokens a row a window of 8,192 rows would hold 150 MB as lists), and
+    only the windows on the engine need lists, made as they are submitted."""
+
+    __slots__ = ("flat", "offsets")
+
+    def __init__(self, seqs: list[list[int]]):
+        self.offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs)), out=self.offsets[1:])
+        self.flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32, count=int(self.offsets[-1]))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.flat[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+    def lists(self, rows) -> list[list[int]]:
+        """Sequences `rows` (positions, in the order wanted) as lists, at once: the lists the
+        engine is handed, made in one conversion rather than one a row."""
+        whole, at = self.flat.tolist(), self.offsets.tolist()
+        return [whole[at[i]:at[i + 1]] for i in rows]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+
 @dataclass
 class Tokenized:
     """Token ids for the non-null rows of one window, with per-row facts."""
 
-    ids: list[list[int]]  # one list per non-null row, in row order
+    ids: TokenIds  # one sequence per non-null row, in row order
     lengths: np.ndarray  # int64, tokens per non-null row
     truncated: np.ndarray  # bool, per non-null row
     valid: np.ndarray  # bool per input row: False where the text was null
@@ -236,7 +276,8 @@ class Tokenizer:
                 ids[i] = windows[0]
                 lengths[i] = sum(len(c) for c in windows)
             truncated[:] = False
-        return Tokenized(ids=ids, lengths=lengths, truncated=truncated, valid=valid, empty=empty, chunks=chunks)
+        return Tokenized(ids=TokenIds(ids), lengths=lengths, truncated=truncated, valid=valid, empty=empty,
+                         chunks=chunks)
 
 
 def model_tokenizer(model_dir: Path, max_length: int, m, marker: int | None = None) -> Tokenizer:

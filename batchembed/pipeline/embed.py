@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..embed.batcher import embed_isolating, plan_rows
+from ..embed.tokenizer import TokenIds
 from ..embed.vectors import merge_windows
 from ..errors import EngineFailure, RequestFailure
 from .base import END, Window, get, put
@@ -193,9 +194,8 @@ class EmbedStage:
                 cache.popitem(last=False)
         w.pending = w.plan = w.todo = None
         w.borrowed = []
-        # the writer needs the rows' token counts, not their ids: up to five windows wait for it,
-        # each with a list of Python ints per row (~36 bytes a token)
-        w.tok.ids, w.tok.chunks = [], None
+        # the writer needs the rows' token counts, not their ids: up to five windows wait for it
+        w.tok.ids, w.tok.chunks = TokenIds([]), None
 
     def run(self, q_in: queue.Queue, q_out: queue.Queue, stop, has_work: Callable[[], bool] = lambda: True) -> None:
         """Items go out in the order they came in; up to `windows_in_flight` windows wait on the

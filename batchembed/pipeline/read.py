@@ -67,6 +67,9 @@ class ReadStage:
                     batch, texts, dropped = select_rows(p.spec.input, batch)
                     window = self.plan(batch, texts, index)
                     window.filtered = dropped
+                    # the writer wants the columns it keeps, not the texts: a window waits for it
+                    # behind several others, and long texts would hold memory all that while
+                    batch = batch.select(p.kept_columns)
                     if not put(q_in, (task, batch, window), stop):
                         return False
                     sent = True

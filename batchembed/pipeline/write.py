@@ -45,7 +45,7 @@ class _Part:
 class WriteStage:
     def __init__(self, p: Prepared):
         self.p = p
-        self.keep = [c for c in dict.fromkeys([p.spec.input.id_column, *p.spec.input.carry_columns]) if c]
+        self.keep = p.kept_columns
         self.width = histogram_bin_width(p.max_length)
         # int8 / uint8: the output's calibration, made before any pipeline starts
         self.calibration = calibration.require(p) if p.spec.embedding.output_dtype in SCALAR else None
