@@ -14,6 +14,7 @@ CASES = {  # name -> module in benchmarks/cases/
     "lance": "the output stage as Parquet and as Lance, and index builds",
     "tokenize": "the host's tokenising cost per row: whole texts against the cut before the limit",
     "representations": "dense, sparse and multi-vector in one run against one run each (BGE-M3 shape)",
+    "memory": "peak RSS of whole runs at N, 10 N and 100 N rows of a corpus with long and hostile rows",
     "gpu": "the GPU suite: start-up, and bge-base, MiniLM and Qwen3 shapes as written and as tuned",
 }
 

@@ -79,7 +79,8 @@ class Measured:
     wall_s: float
     tree_rss_mb: int  # the largest sum of RSS over the process and all its descendants, sampled
     stdout: str
-    samples: list = field(default_factory=list)  # (seconds since start, busy cores, GPU busy %) each second
+    # (seconds since start, busy cores, GPU busy %, the tree's RSS MB) each second
+    samples: list = field(default_factory=list)
 
     def summary(self) -> dict:
         lines = self.stdout.strip().splitlines()
@@ -96,6 +97,13 @@ class Measured:
 
     def gpu_busy_mid_run(self) -> float | None:
         return self._mid_run_mean(2)
+
+    def rss_halves_mb(self) -> tuple[int | None, int | None]:
+        """The tree's largest RSS over the first and the second half of the run: where memory grows
+        to a bound and holds, the second is no larger than the first."""
+        n = len(self.samples)
+        halves = (self.samples[: n // 2], self.samples[n // 2:])
+        return tuple(max((s[3] for s in h), default=None) for h in halves)
 
 
 def tree_rss_mb(pid: int) -> int:
@@ -139,16 +147,18 @@ def measure_process(cmd: list[str], env: dict | None = None, cwd: Path | None = 
     err = open(log, "w") if log else subprocess.DEVNULL
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd, text=True, start_new_session=True)
-    peak, samples, last = 0, [], (time.perf_counter(), *_cpu_ticks())
+    peak, second, samples, last = 0, 0, [], (time.perf_counter(), *_cpu_ticks())
     try:
         while proc.poll() is None:
-            peak = max(peak, tree_rss_mb(proc.pid))
+            rss = tree_rss_mb(proc.pid)
+            peak, second = max(peak, rss), max(second, rss)
             time.sleep(0.2)
             now = time.perf_counter()
             if now - last[0] >= 1.0:
                 ticks, idle = _cpu_ticks()
                 busy = os.cpu_count() * (1 - (idle - last[2]) / max(ticks - last[1], 1))
-                samples.append((round(now - t0, 1), round(busy, 2), _gpu_busy()))
+                samples.append((round(now - t0, 1), round(busy, 2), _gpu_busy(), second))
+                second = 0
                 last = (now, ticks, idle)
     finally:
         # the measured process and everything it started (a plain vLLM script's engine processes)

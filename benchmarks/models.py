@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-SHAPES = ("bge-base", "qwen3-0.6b")  # the GPU suite's
+SHAPES = ("bge-base", "qwen3-0.6b", "minilm")  # the GPU suite's; minilm: the memory case's, tiny
 FAMILIES = ("splade", "colbert", "bge-m3")  # sparse and multi-vector
 
 
@@ -48,6 +48,10 @@ def make(out: Path, name: str, tiny: bool = False) -> Path:
     if name == "bge-base":
         cfg = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=layers or 12, num_attention_heads=12,
                          intermediate_size=3072, max_position_embeddings=512)
+        cls = BertModel
+    elif name == "minilm":  # all-MiniLM-L6-v2's shape
+        cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=layers or 6, num_attention_heads=12,
+                         intermediate_size=1536, max_position_embeddings=512)
         cls = BertModel
     elif name == "qwen3-0.6b":
         cfg = Qwen3Config(vocab_size=30522, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers or 28,
