@@ -226,3 +226,16 @@ def test_tcmalloc_is_found_in_the_environment_where_the_system_has_none(tmp_path
     (tmp_path / "system").mkdir()
     (tmp_path / "system" / "libtcmalloc_minimal.so.4").write_bytes(b"")
     assert host.tcmalloc_path() == str(tmp_path / "system" / "libtcmalloc_minimal.so.4")  # the system's first
+
+
+def test_engines_are_placed_round_robin_on_the_gpus_the_settings_counted(monkeypatch):
+    from batchembed.embed.host import placement
+    from batchembed.errors import RunError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert [placement(i, 4, on_cpu=False) for i in range(4)] == \
+        [({"CUDA_VISIBLE_DEVICES": g}, 2) for g in ("2", "5", "2", "5")]
+    assert placement(0, 1, on_cpu=False) == ({}, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    with pytest.raises(RunError, match="no GPU is visible"):
+        placement(0, 2, on_cpu=False)

@@ -158,10 +158,7 @@ def placement(replica: int, replicas: int, on_cpu: bool) -> tuple[dict[str, str]
         per = max(1, len(cores) // replicas)
         mine = cores[(replica * per) % len(cores):][:per]
         return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}"}, 1
-    import torch
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = visible_gpus()  # as the engine settings counted them
     if not gpus:
         raise RunError("engine.data_parallel > 1 on a GPU build, but no GPU is visible")
     sharing = -(-replicas // len(gpus))
