@@ -134,9 +134,9 @@ class Prepared:
     def window_rows(self) -> int:
         """Rows read, tokenised and length-sorted together: engine.sort_window_rows, fewer where a
         window's multi-vectors would pass MULTI_VECTOR_WINDOW_BYTES, at the tokens a row takes on
-        average in the first rows (estimate_tokens; about eight windows are alive at once: queued,
-        on the engine, and waiting for the writer). Not by max_length: where rows are short, that
-        bound leaves a GPU windows of a few thousand tokens, too few to fill its steps."""
+        average in the first rows (estimate_tokens; about twelve windows are alive at once: the
+        docs' Memory section). Not by max_length: where rows are short, that bound leaves a GPU
+        windows of a few thousand tokens, too few to fill its steps."""
         rows = self.spec.engine.sort_window_rows
         if "multi_vector" in self.outputs:
             total = sum(f.num_rows for f in self.files)

@@ -205,3 +205,28 @@ def test_an_engine_that_cannot_be_replaced_names_the_failure_it_was_to_replace(t
     assert len(starts) == 2
     assert "too little memory for the KV cache (test)" in str(e.value)
     assert "it was to replace an engine that failed: Unsupported attention configuration (test)" in str(e.value)
+
+
+def test_a_tokenised_window_holds_compact_ids_and_only_the_columns_the_writer_keeps(tmp_path):
+    # windows wait in queues (docs: Memory): neither the texts nor lists of Python ints go with them
+    import queue
+    import threading
+
+    from batchembed.embed.tokenizer import TokenIds
+    from batchembed.job import prepare
+    from batchembed.pipeline.read import ReadStage
+
+    texts = ["word " * 300, "short", None, "x" * 5000]
+    write_parquet(tmp_path / "in" / "a.parquet", {"id": [1, 2, 3, 4], "text": texts, "title": list("abcd"),
+                                                  "body": ["big"] * 4})
+    p = prepare(_job(tmp_path, input={"carry_columns": ["title"]}))
+    tasks, q_in = queue.Queue(), queue.Queue()
+    for t in p.tasks:
+        tasks.put(t)
+    ReadStage(p).run(tasks, q_in, threading.Event())
+    _, batch, w = q_in.get()
+    assert batch.schema.names == ["id", "title"] and batch.column("title").to_pylist() == list("abcd")
+    assert isinstance(w.tok.ids, TokenIds) and w.tok.ids.flat.dtype == np.int32
+    whole = Tokenizer(p.model.path, p.max_length)([t for t in texts if t is not None])
+    assert sorted(map(tuple, w.tok.ids)) == sorted(map(tuple, whole.ids))  # the unique texts, by hash
+    assert w.tok.ids.lists([2, 0]) == [w.tok.ids[2], w.tok.ids[0]] and len(w.tok.ids[0]) > 0

@@ -2,10 +2,11 @@
 
     read.py (thread) --q_in--> embed.py (the calling thread) --q_out--> write.py (thread)
 
-Queues are bounded, so memory stays flat whatever the corpus size, and the engine
-thread does nothing but feed the engine: reading, tokenising, Matryoshka reduction and
-writing all happen beside it. A Pipeline may run several times (a Ray actor runs one
-part at a time): the engine stage, its cache and its timings last as long as the Pipeline.
+Queues are bounded, so memory grows to a bound (about twelve windows: the docs' Memory
+section) whatever the corpus size, and the engine thread does nothing but feed the engine:
+reading, tokenising, Matryoshka reduction and writing all happen beside it. A Pipeline may
+run several times (a Ray actor runs one part at a time): the engine stage, its cache and its
+timings last as long as the Pipeline.
 """
 
 from __future__ import annotations
