@@ -107,6 +107,26 @@ def test_two_schedules_share_the_parts_and_wait_for_the_others(prepared, monkeyp
         b.close()
 
 
+def test_a_part_committed_by_another_run_since_planning_is_not_taken_again(prepared):
+    """Another run committed a part after this one planned, then left no claim on it (it ended, or
+    was killed between its commit and its claim's release): the claim is ours, the work is not."""
+    p = prepared
+    a, b = Schedule(p, p.tasks, Leases(p.out, 30)), Schedule(p, p.tasks, Leases(p.out, 30))
+    try:
+        first = a.take("w")
+        p.out.write_commit(p.out.part_name(first), {"part": p.out.part_name(first), "input": first.input_fingerprint})
+        a.leases.close()  # its claims go, as after its end
+        b.leases._seen.clear()
+        got = []
+        while (t := b.take("w")) not in (None, WAIT):
+            got.append(t.part_id)
+        assert first.part_id not in got and len(got) == len(p.tasks) - 1
+        assert b.done_elsewhere == {first.part_id}
+    finally:
+        a.close()
+        b.close()
+
+
 def test_one_restart_budget_for_the_whole_run():
     r = Restarts(2, [0, 0, 0])
     assert r.take(1) == 1 and r.take(2) == 2 and r.take(0) is None and r.used() == 2

@@ -87,6 +87,13 @@ class Schedule:
                     log.info("part %s: claimed by run %s, which embeds it", part, holder)
                     self.elsewhere.add(part)
                     continue
+                # ours now, but another run may have committed it since this one planned: one that
+                # has ended (its claims gone), or one killed between its commit and its claim's release
+                # (a part with rows the engine failed is done again, as it was planned to be)
+                r = self.committed(part)
+                if r is not None and not r.get("failed_rows"):
+                    self.done_elsewhere.add(part)
+                    continue
             self.taken.setdefault(worker, []).append(part)
             return self.by_id[part]
         if not self.elsewhere:
