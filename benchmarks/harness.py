@@ -147,18 +147,18 @@ def measure_process(cmd: list[str], env: dict | None = None, cwd: Path | None = 
     err = open(log, "w") if log else subprocess.DEVNULL
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd, text=True, start_new_session=True)
-    peak, second, samples, last = 0, 0, [], (time.perf_counter(), *_cpu_ticks())
+    peak, since_sample, samples, last = 0, 0, [], (time.perf_counter(), *_cpu_ticks())
     try:
         while proc.poll() is None:
             rss = tree_rss_mb(proc.pid)
-            peak, second = max(peak, rss), max(second, rss)
+            peak, since_sample = max(peak, rss), max(since_sample, rss)
             time.sleep(0.2)
             now = time.perf_counter()
             if now - last[0] >= 1.0:
                 ticks, idle = _cpu_ticks()
                 busy = os.cpu_count() * (1 - (idle - last[2]) / max(ticks - last[1], 1))
-                samples.append((round(now - t0, 1), round(busy, 2), _gpu_busy(), second))
-                second = 0
+                samples.append((round(now - t0, 1), round(busy, 2), _gpu_busy(), since_sample))
+                since_sample = 0
                 last = (now, ticks, idle)
     finally:
         # the measured process and everything it started (a plain vLLM script's engine processes)
