@@ -42,7 +42,7 @@ def _heartbeat(out, run: str, expires_in: float, processes: str = "elsewhere/pid
 
 def _claim(out, part: str, run: str) -> None:
     out.fs.makedirs(out.path(CLAIMS), exist_ok=True)
-    with open(out.path(f"{CLAIMS}/{part}.json"), "w") as f:
+    with open(out.path(f"{CLAIMS}/{part}.0.json"), "w") as f:
         json.dump({"run": run}, f)
 
 
@@ -52,10 +52,11 @@ def test_a_part_is_claimed_by_one_run_until_it_lets_go(prepared):
         assert a.claim("p1") is None and a.claim("p1") is None  # claimed, and ours on asking again
         assert b.claim("p1") == a.run and b.holder("p1") == a.run
         assert b.claim("p2") is None and a.claim("p2") == b.run
-        a.close()  # a run that ends lets go of its claims and its heartbeat
+        a.close()  # a run that ends removes its heartbeat: its claims lapse at once
         assert not (Path(prepared.out.root) / RUNS / f"{a.run}.json").exists()
         b._seen.clear()
         assert b.claim("p1") is None and b.holder("p1") is None
+        assert json.loads((Path(prepared.out.root) / CLAIMS / "p1.1.json").read_text())["run"] == b.run
     finally:
         a.close()
         b.close()
@@ -76,13 +77,39 @@ def test_a_claim_lapses_with_its_runs_heartbeat(prepared):
         assert me.claim("p2") is None  # lapsed: taken over
         assert me.claim("p3") is None  # a run of this machine whose process is gone: at once
         assert me.claim("p4") is None  # a claim without any heartbeat holds nothing
-        assert json.loads((Path(out.root) / CLAIMS / "p2.json").read_text())["run"] == me.run
+        assert json.loads((Path(out.root) / CLAIMS / "p2.1.json").read_text())["run"] == me.run
+        assert me.claim("p5") is None  # unclaimed: generation 0
+        other = Leases(out, 30)
+        assert other.claim("p2") == me.run and other.holder("p5") == me.run  # the highest generation holds
+        other.close()
     finally:
         me.close()
-    assert sorted(p.name for p in (Path(out.root) / CLAIMS).iterdir()) == ["p1.json"]  # ours removed
+    # claims stay until the output is finished, so their generations keep no gaps
+    assert len(list((Path(out.root) / CLAIMS).iterdir())) == 8
     sweep(out)  # a finished output: every claim goes, and the heartbeats of runs that stopped
     assert not (Path(out.root) / CLAIMS).exists()  # nor its empty folder
     assert sorted(p.name for p in (Path(out.root) / RUNS).iterdir()) == ["remote-live.json"]
+
+
+def test_two_runs_taking_over_one_lapsed_claim_at_once_cannot_both_win(prepared):
+    """Both read the lapsed claim before either writes: the takeover is an exclusive create of the
+    next generation, so the second to create it finds the first's claim and leaves the part to it."""
+    out = prepared.out
+    _claim(out, "p1", "gone")  # a claim whose run never beats
+    a, b = Leases(out, 30), Leases(out, 30)
+    create = a._create
+
+    def b_first(path, record):  # b takes the part over between a's read and a's write
+        assert b.claim("p1") is None
+        return create(path, record)
+
+    a._create = b_first
+    try:
+        assert a.claim("p1") == b.run and b.holder("p1") is None and a.holder("p1") == b.run
+        assert "p1" not in a.mine and "p1" in b.mine
+    finally:
+        a.close()
+        b.close()
 
 
 def test_two_schedules_share_the_parts_and_wait_for_the_others(prepared, monkeypatch):

@@ -107,7 +107,7 @@ def _runs_at_once(tmp_path, job: dict, fs, out: str, n: int, env: dict) -> None:
     assert killed, (tmp_path / "run0.log").read_text()[-3000:]
     os.killpg(procs[0].pid, signal.SIGKILL)
     procs[0].wait()
-    held = [os.path.basename(p)[:-5] for p in fs.glob(f"{out}/_claims/*.json")
+    held = [os.path.basename(p).rsplit(".", 2)[0] for p in fs.glob(f"{out}/_claims/*.json")
             if json.loads(fs.cat_file(p))["run"] == killed]
     summaries = []
     for i, proc in enumerate(procs[1:], 1):

@@ -1,19 +1,23 @@
 """Claims on parts, so that runs meeting on one output share its work instead of each doing all of it.
 
-    _runs/<run>.json      a live run's heartbeat, {"run", "host", "pid", "expires"}, rewritten every
-                          third of output.lease_s while the run lives and removed when it ends
-    _claims/<part>.json   {"run": <run>}: the run embedding that part
+    _runs/<run>.json           a live run's heartbeat, {"run", "host", "pid", "expires"}, rewritten every
+                               third of output.lease_s while the run lives and removed when it ends
+    _claims/<part>.<n>.json    {"run": <run>}: the run embedding that part; n counts the takeovers
 
 A run claims a part before it embeds it. A claim holds while its run's heartbeat is unexpired; a run
-that ends removes its heartbeat and claims, and one killed outright stops beating, so its claims
-lapse within output.lease_s and another run takes its parts over. One heartbeat per run, not one lease
-per part, keeps the writes to one per interval however many parts a run holds.
+that ends removes its heartbeat, and one killed outright stops beating, so its claims lapse (within
+output.lease_s, or at once for a run of the reader's machine whose process is gone) and another run
+takes its parts over. One heartbeat per run, not one lease per part, keeps the writes to one per
+interval however many parts a run holds.
 
-A new claim is created exclusively (storage.create_new): a hard link on local disk, a conditional PUT (If-None-Match)
-on S3. A lapsed claim is overwritten and read back. Two runs taking over the same lapsed claim at the
-same moment, or a store that ignores the condition, can both embed that part: work done twice, never a
-wrong output, since a part is published whole and identical by either run (layout.py). Expiry compares
-the writer's clock with the reader's: hosts are expected to keep time (NTP) within a few seconds.
+Every claim is created exclusively (storage.create_new: a hard link on local disk, a conditional PUT,
+If-None-Match, on S3), taking over included: the claim that counts is the highest generation n, and a
+run takes over a lapsed one by creating n + 1, which only one run can do. A claim file is never
+rewritten nor removed while the output is unfinished, so the generations have no gaps and reading
+them from 0 upwards finds the highest; the finished output's sweep removes them all. A store that
+ignores the condition can let two runs both embed a part: work done twice, never a wrong output, since
+a part is published whole and identical by either run (layout.py). Expiry compares the writer's clock
+with the reader's: hosts are expected to keep time (NTP) within a few seconds.
 """
 
 from __future__ import annotations
@@ -66,13 +70,10 @@ class Leases:
                 log.warning("could not renew this run's claims in %s: %s", self.out.url, e)
 
     def close(self) -> None:
-        """Give up every claim and the heartbeat (the run is over, or stopping)."""
+        """Stop beating and remove the heartbeat (the run is over, or stopping): its claims lapse at
+        once for every reader, and stay as files, so the generations keep no gaps (see above)."""
         self._stop.set()
         self._thread.join(timeout=30)
-        for name in sorted(self.mine):
-            path = self._claim_path(name)
-            if (read_json(self.out.fs, path) or {}).get("run") == self.run:
-                remove(self.out.fs, path)
         remove(self.out.fs, self._run_path(self.run))
         self.mine.clear()
 
@@ -82,28 +83,25 @@ class Leases:
         """Claim part `name` (a part id) for this run: None when it is ours, else the live run that holds it."""
         if name in self.mine:
             return None
-        path = self._claim_path(name)
-        record = {"run": self.run}
-        held = read_json(self.out.fs, path)
-        if held is None:
-            if not self._create(path, record):
-                held = read_json(self.out.fs, path) or {}
-                return held.get("run") or "another run"
-        else:
+        n, held = self._top(name)
+        if held is not None:
             holder = held.get("run")
-            if holder != self.run and self.alive(holder):
+            if holder == self.run:
+                self.mine.add(name)
+                return None
+            if self.alive(holder):
                 return holder
-            write_json_atomic(self.out.fs, path, record)  # lapsed: taken over
-            log.info("part %s: the claim of run %s lapsed; this run takes it over", name, holder)
-        now = (read_json(self.out.fs, path) or {}).get("run")
-        if now != self.run:
-            return now or "another run"
+        if not self._create(self._claim_path(name, n + 1), {"run": self.run}):
+            # another run created that generation first: it holds the part
+            return (read_json(self.out.fs, self._claim_path(name, n + 1)) or {}).get("run") or "another run"
+        if held is not None:
+            log.info("part %s: the claim of run %s lapsed; this run takes it over", name, held.get("run"))
         self.mine.add(name)
         return None
 
     def holder(self, name: str) -> str | None:
         """The live run other than this one that holds part `name`, or None."""
-        holder = (read_json(self.out.fs, self._claim_path(name)) or {}).get("run")
+        holder = (self._top(name)[1] or {}).get("run")
         return holder if holder and holder != self.run and self.alive(holder) else None
 
     def alive(self, run: str | None) -> bool:
@@ -118,12 +116,20 @@ class Leases:
             self._seen[run] = (time.monotonic(), alive)
         return alive
 
+    def _top(self, name: str) -> tuple[int, dict | None]:
+        """The highest generation of part `name`'s claim and its record: (-1, None) when unclaimed.
+        Claims are rarely taken over, so this is one or two reads."""
+        n, held = -1, None
+        while (record := read_json(self.out.fs, self._claim_path(name, n + 1))) is not None:
+            n, held = n + 1, record
+        return n, held
+
     def _create(self, path: str, record: dict) -> bool:
         """Write `record` at `path` unless something is there: False when something was."""
         return create_new(self.out.fs, path, (json.dumps(record) + "\n").encode())
 
-    def _claim_path(self, part_id: str) -> str:
-        return self.out.path(f"{CLAIMS}/{part_id}.json")
+    def _claim_path(self, part_id: str, n: int) -> str:
+        return self.out.path(f"{CLAIMS}/{part_id}.{n}.json")
 
     def _run_path(self, run: str) -> str:
         return self.out.path(f"{RUNS}/{run}.json")
