@@ -193,7 +193,7 @@ def _run_job(spec: JobSpec, engine, overwrite: bool, show_progress: bool, starte
         _stop_if_interrupted(p, job)
         if pending:
             # runs that meet on this output share its parts through claims in it (output/leases.py)
-            schedule = Schedule(p, pending, Leases(out, spec.output.lease_s))
+            schedule = Schedule(p, pending, Leases(out, spec.output.lease_s), retried=state.retried)
             p.run = schedule.leases.run
             result = _execute(p, schedule, _reporter(bar), engine, reference)
         else:

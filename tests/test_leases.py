@@ -126,7 +126,7 @@ def test_two_schedules_share_the_parts_and_wait_for_the_others(prepared, monkeyp
         first = next(t for t in p.tasks if t.part_id == got_a[0])
         p.out.write_commit(p.out.part_name(first), {"part": p.out.part_name(first), "input": first.input_fingerprint})
         assert b.take("w") is WAIT and b.done_elsewhere == {got_a[0]}
-        a.leases.close()  # a stops (its claims go): b takes the part left over
+        a.leases.close()  # a stops (its claims lapse): b takes the part left over
         b.leases._seen.clear()
         assert b.take("w").part_id == got_a[1] and b.take("w") is None
     finally:
@@ -152,6 +152,39 @@ def test_a_part_committed_by_another_run_since_planning_is_not_taken_again(prepa
     finally:
         a.close()
         b.close()
+
+
+def test_a_part_planned_for_its_failed_rows_is_tried_once_more_not_by_every_run(prepared, monkeypatch):
+    """A part committed with failed rows is planned again, to retry them: the record the plan saw does
+    not count as done, whether the part is taken here or held elsewhere. Another record with failed
+    rows (another run's retry since) does."""
+    monkeypatch.setattr(schedule_module, "_RECHECK_S", 0.0)
+    p = prepared
+    old, held, fresh = p.tasks[:3]
+
+    def commit(t, run: str) -> dict:
+        name = p.out.part_name(t)
+        r = {"part": name, "input": t.input_fingerprint, "failed_rows": 1, "run": run}
+        p.out.write_commit(name, r)
+        return p.out.read_commit(name)
+
+    seen = {t.index: commit(t, "earlier") for t in (old, held, fresh)}
+    other = Leases(p.out, 30)
+    me = Schedule(p, p.tasks, Leases(p.out, 30), retried=seen)
+    try:
+        assert other.claim(held.part_id) is None
+        commit(fresh, other.run)  # another run's retry, since this one planned
+        got = []
+        while (t := me.take("w")) not in (None, WAIT):
+            got.append(t.part_id)
+        assert old.part_id in got and fresh.part_id not in got and held.part_id not in got
+        assert me.done_elsewhere == {fresh.part_id} and me.elsewhere == {held.part_id}
+        assert me.take("w") is WAIT  # the record this run planned to retry is not the retry
+        commit(held, other.run)
+        assert me.take("w") is None and me.done_elsewhere == {fresh.part_id, held.part_id}
+    finally:
+        other.close()
+        me.close()
 
 
 def test_one_restart_budget_for_the_whole_run():

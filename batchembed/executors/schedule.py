@@ -64,8 +64,10 @@ class Schedule:
     """The parts of a run left to embed, handed out by `take`."""
 
     def __init__(self, p: Prepared, pending: list[Task], leases: Leases | None = None,
-                 restarts: Restarts | None = None):
+                 restarts: Restarts | None = None, retried: dict[int, dict] | None = None):
+        """`retried`: the commit records, by task index, of the parts planned again for their failed rows."""
         self.p, self.leases = p, leases
+        self.retried = {t.part_id: retried[t.index] for t in pending if retried and t.index in retried}
         self.restarts = restarts or Restarts(p.spec.engine.max_restarts)
         self.by_id = {t.part_id: t for t in pending}
         # the largest parts first, the smallest last: the engines run out of work at nearly the same
@@ -88,10 +90,8 @@ class Schedule:
                     self.elsewhere.add(part)
                     continue
                 # ours now, but another run may have committed it since this one planned: one that
-                # has ended (its claims gone), or one killed between its commit and its claim's release
-                # (a part with rows the engine failed is done again, as it was planned to be)
-                r = self.committed(part)
-                if r is not None and not r.get("failed_rows"):
+                # has ended (its claims lapsed), or one killed before it moved on from that part
+                if self._done(part):
                     self.done_elsewhere.add(part)
                     continue
             self.taken.setdefault(worker, []).append(part)
@@ -108,12 +108,19 @@ class Schedule:
     def _look_elsewhere(self) -> None:
         """Parts held elsewhere: committed by now, or back on the list once their run's claim lapsed."""
         for part in sorted(self.elsewhere):
-            if self.committed(part) is not None:
+            if self._done(part):
                 self.elsewhere.discard(part)
                 self.done_elsewhere.add(part)
             elif self.leases.holder(part) is None:
                 self.elsewhere.discard(part)
                 self.todo.append(part)
+
+    def _done(self, part: str) -> bool:
+        """Whether `part` is committed as no longer to embed: without failed rows, or with them by another
+        commit than the one this run planned to retry (a part planned for its failed rows is tried again
+        once, not by every run)."""
+        r = self.committed(part)
+        return r is not None and (not r.get("failed_rows") or r != self.retried.get(part))
 
     def committed(self, part: str) -> dict | None:
         """The commit record of `part` when it is committed for this input, else None."""

@@ -30,7 +30,7 @@ import fnmatch
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import JobError, RunError
@@ -68,6 +68,8 @@ class OutputState:
     stale_records: list[str]  # paths of commit records that no current task will rewrite
     stale_parts: list[str]  # names of parts that no current task will rewrite
     complete: bool  # manifest and _SUCCESS present and every task done
+    # task index -> commit record, for tasks planned again for the rows the engine failed in them
+    retried: dict[int, dict] = field(default_factory=dict)
 
 
 def _job_diff(a: dict, b: dict) -> str:
@@ -256,15 +258,17 @@ class OutputFolder:
                            "or write to a new output.uri")
         by_part = {r["part"]: r for r in records}
         finished = manifest is not None and self.finished()
-        done = {}
+        done, retried = {}, {}
         for t in tasks:
             name = self.part_name(t)
             r = by_part.get(name)
             # a part with rows the engine failed is tried again, unless the output was finished with them
             there = name in present or (r is not None and r.get("rows") == 0 and not self.fmt.empty_parts_kept)
-            if (r and r.get("input") == t.input_fingerprint and there
-                    and (finished or not r.get("failed_rows"))):
-                done[t.index] = r
+            if r and r.get("input") == t.input_fingerprint and there:
+                if finished or not r.get("failed_rows"):
+                    done[t.index] = r
+                else:
+                    retried[t.index] = r
         names = {self.part_name(t) for t in tasks}
         # commit records go before their parts, so a part never outlives its record unnoticed
         stale_records = [c for c in commit_paths
@@ -272,7 +276,7 @@ class OutputFolder:
         stale_parts = sorted(n for n in present if n not in names)
         complete = (finished and len(done) == len(tasks) and not stale_records and not stale_parts
                     and not failed_inputs)
-        return OutputState(done, stale_records, stale_parts, complete)
+        return OutputState(done, stale_records, stale_parts, complete, retried)
 
     # --- writing ---------------------------------------------------------------------------
 
