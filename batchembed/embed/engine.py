@@ -8,7 +8,8 @@ Three things are done on purpose here:
     returns only when its whole call is done: the engine would drain and wait for
     Python between calls. `submit` queues sequences and returns at once; `step`
     collects finished vectors as tensors, so the next window can be queued while
-    the current one runs (pipeline.Pipeline keeps two in flight).
+    the current one runs (pipeline.Pipeline keeps two in flight). Requests are made by
+    `requests.Requests`, which spares vLLM's input processing on every row.
   - every result is checked to be exactly one vector of the model's dimension.
 """
 
@@ -34,6 +35,7 @@ from ..model import ModelInfo, model_content_hash
 from . import bytecode
 from .heads import Heads, Reps, encoder_folder
 from .host import BF16_FLAGS, cpu_engine_env, cpu_flags, placement, quiet_front_end
+from .requests import Requests
 from .settings import MULTIPROCESSING_ENV, EngineSettings, resolve, vllm_args
 from .vllm_import import imports_frozen, inspect_here, unfreeze_heap, unused_packages_hidden
 from .watchdog import Watchdog, child_pids, kill_tree, tree, wait_gone
@@ -283,6 +285,7 @@ class Engine:
             device = "cuda" if not self.on_cpu and torch.cuda.is_available() else "cpu"
             self.heads = Heads(self._heads_for, self.outputs, device)
         self._prompt = _prompt_maker()
+        self.requests = Requests(self.llm.llm_engine, self._prompt, self._params)
         self._ids = itertools.count()
         # request id -> (its submission, position, token ids: the submitted list itself, not a copy)
         self._slots: dict[str, tuple[Pending, int, list[int]]] = {}
@@ -301,13 +304,13 @@ class Engine:
         self.calls += 1
         if not self._slots:
             self.watchdog.progress()  # idle time before this is no stall
-        add = self.llm.llm_engine.add_request
-        slots, ids, params = self._slots, self._ids, self._params
+        add, now = self.requests.add, time.time()
+        slots, ids = self._slots, self._ids
         for i, seq in enumerate(token_ids):
             rid = str(next(ids))
             slots[rid] = (pending, i, seq)
             try:
-                add(rid, self._prompt(seq), params)
+                add(rid, seq, now)
             except Exception as e:  # noqa: BLE001 - vLLM validates each request as it is added
                 slots.pop(rid, None)
                 self.abort()

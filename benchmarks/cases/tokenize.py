@@ -1,8 +1,9 @@
 """The host's cost a row before the GPU: microseconds a row on one thread, long texts tokenised whole
 against tokenised only up to a cut before the limit (and that both give the same ids), and the
 token ids handed to vLLM (`Engine.submit`: vLLM's add_request for each row, with its engine core in a
-process of its own as on a GPU host; the rows are taken back unembedded). Docstrings joined to
---min-chars, at each --lengths max_length.
+process of its own as on a GPU host; the rows are taken back unembedded), each request a copy of the
+first one vLLM made (embed/requests.py) or, `submit-processed`, made by vLLM's input processing.
+Docstrings joined to --min-chars, at each --lengths max_length.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ class Tokenize(Case):
     name = "tokenize"
     help = __doc__
     variants = {"whole": "every text tokenised whole, then truncated", "cut": "tokenised up to a cut (the default)",
-                "submit": "token ids handed to vLLM, a row at a time (Engine.submit)"}
+                "submit": "token ids handed to vLLM, a row at a time (Engine.submit)",
+                "submit-processed": "the same, each request made by vLLM's input processing"}
     columns = [(f"us_per_row_{n}", f"µs a row @ {n}", ".1f") for n in (80, 256, 512)]
 
     def add_args(self, ap):
@@ -37,7 +39,7 @@ class Tokenize(Case):
         return {}
 
     def measure(self, variant, ctx):
-        if variant == "submit":  # an engine of its own, in a fresh process
+        if variant.startswith("submit"):  # an engine of its own, in a fresh process
             return {k: v for k, v in self.in_child(variant, ctx).items() if k.startswith("us_per_row")}
         os.environ["RAYON_NUM_THREADS"] = "1"  # the work itself, not a pool's
         import pyarrow.parquet as pq
@@ -86,6 +88,8 @@ class Tokenize(Case):
                 warm = engine.submit(ids[:64])
                 while not warm.done:
                     engine.step()
+                if variant == "submit-processed":
+                    engine.requests.template = None
                 t0 = time.perf_counter()
                 engine.submit(ids)
                 r[f"us_per_row_{n}"] = round((time.perf_counter() - t0) / len(ids) * 1e6, 1)
