@@ -2,8 +2,8 @@
 
 vLLM's `LLMEngine.add_request` turns each prompt into an `EngineCoreRequest`: it validates the
 pooling parameters (the same for every row of a run), checks the prompt's length and token ids,
-deep-copies the parameters, and builds the request. On short rows that is close to half of the
-front end's cost a row, and the front ends' cores are what bound a GPU's engines. `Requests` has
+deep-copies the parameters, and builds the request: a large share of the front end's cost a row on
+short rows, and the front ends' cores are what bound a GPU's engines. `Requests` has
 vLLM make the first request of an engine, keeps it as a template, and makes each later one as a
 copy carrying the row's ids, after the same length and vocabulary checks vLLM makes; add_request
 takes a request made already (its `EngineCoreRequest` branch) and does the rest as for any other.
