@@ -184,6 +184,8 @@ def _git_commit() -> str:
 
 def environment() -> dict:
     """The machine, the versions and the commit, as every results file records them."""
+    from batchembed.embed import bytecode
+
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
@@ -204,6 +206,8 @@ def environment() -> dict:
     # metadata of another commit than its files
     env["commit"] = os.environ.get("BATCHEMBED_COMMIT") or _git_commit()
     env["first_benchmark_on_machine"] = not MARKER.exists()  # caches (vLLM's, the page cache) were cold
+    # packages every run compiles anew while importing vLLM: whole-process figures pay it on each run
+    env["compiled_every_run"] = sorted(n for n, f in bytecode.missing().items() if not bytecode.writes_back(f))
     return env
 
 
@@ -340,7 +344,9 @@ def run_case(case: Case, argv: list[str]) -> int:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(c.code)],
                            capture_output=True)
     lines = [f"{case.name}: {env['gpu'][0] if env['gpu'] else env['cpu']}, {env['cores']} cores; "
-             f"commit {env['commit'][:12]}; {'first benchmark on this machine' if env['first_benchmark_on_machine'] else 'not the first benchmark on this machine'}",
+             f"commit {env['commit'][:12]}; {'first benchmark on this machine' if env['first_benchmark_on_machine'] else 'not the first benchmark on this machine'}"
+             + (f"; no bytecode for {', '.join(env['compiled_every_run'])}: every run compiles them"
+                if env.get("compiled_every_run") else ""),
              "", *table(case, results["medians"]), ""]
     lines += [f"{k}: {_fmt(v, '.3g') if isinstance(v, float) else v}" for k, v in results["derived"].items()]
     (out / "results.md").write_text("\n".join(lines) + "\n")
