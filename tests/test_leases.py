@@ -135,14 +135,14 @@ def test_two_schedules_share_the_parts_and_wait_for_the_others(prepared, monkeyp
 
 
 def test_a_part_committed_by_another_run_since_planning_is_not_taken_again(prepared):
-    """Another run committed a part after this one planned, then left no claim on it (it ended, or
-    was killed between its commit and its claim's release): the claim is ours, the work is not."""
+    """Another run committed a part after this one planned, then stopped holding it (it ended, or was
+    killed before it moved on from that part): the claim is ours, the work is not."""
     p = prepared
     a, b = Schedule(p, p.tasks, Leases(p.out, 30)), Schedule(p, p.tasks, Leases(p.out, 30))
     try:
         first = a.take("w")
         p.out.write_commit(p.out.part_name(first), {"part": p.out.part_name(first), "input": first.input_fingerprint})
-        a.leases.close()  # its claims go, as after its end
+        a.leases.close()  # its claims lapse, as after its end
         b.leases._seen.clear()
         got = []
         while (t := b.take("w")) not in (None, WAIT):

@@ -82,19 +82,6 @@ def _shutdown_grace(shutdown, grace: float) -> dict:
     return {"timeout": grace} if takes_timeout else {}
 
 
-def _prompt_maker():
-    """Token ids as vLLM's engine takes them. Recent vLLM takes an already rendered input
-    (`tokens_input`), which skips its renderer on every request: the engine thread's
-    per-request cost is what bounds one engine on short rows. Older vLLM takes a TokensPrompt."""
-    try:
-        from vllm.inputs import tokens_input
-    except ImportError:
-        from vllm.inputs import TokensPrompt
-
-        return lambda ids: TokensPrompt(prompt_token_ids=ids)
-    return tokens_input
-
-
 def _token_states(PoolingParams):
     """Pooling parameters that give each token's last hidden state as it is: `token_embed` with
     no normalisation (vLLM calls that `normalize` in older releases, `use_activation` later)."""
@@ -284,8 +271,7 @@ class Engine:
 
             device = "cuda" if not self.on_cpu and torch.cuda.is_available() else "cpu"
             self.heads = Heads(self._heads_for, self.outputs, device)
-        self._prompt = _prompt_maker()
-        self.requests = Requests(self.llm.llm_engine, self._prompt, self._params)
+        self.requests = Requests(self.llm.llm_engine, self._params)
         self._ids = itertools.count()
         # request id -> (its submission, position, token ids: the submitted list itself, not a copy)
         self._slots: dict[str, tuple[Pending, int, list[int]]] = {}

@@ -29,13 +29,26 @@ class _DropHandedMade(logging.Filter):
         return not str(record.msg).startswith(_HANDED_MADE)
 
 
+def _prompt_maker():
+    """Token ids as vLLM's engine takes them. Recent vLLM takes an already rendered input
+    (`tokens_input`), which skips its renderer on every request: the engine thread's
+    per-request cost is what bounds one engine on short rows. Older vLLM takes a TokensPrompt."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return lambda ids: TokensPrompt(prompt_token_ids=ids)
+    return tokens_input
+
+
 class Requests:
     """Adds rows of token ids to one vLLM engine (`llm_engine`: vLLM's LLMEngine)."""
 
-    def __init__(self, llm_engine, prompt, params):
+    def __init__(self, llm_engine, params):
         import msgspec  # vLLM's requests are msgspec structs
 
-        self.engine, self.prompt, self.params = llm_engine, prompt, params
+        self.engine, self.prompt, self.params = llm_engine, _prompt_maker(), params
         self._replace = msgspec.structs.replace
         self.template = None  # the request vLLM made for the first row, once copies are known to be right
         self.checked = False
